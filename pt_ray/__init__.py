@@ -1,0 +1,1 @@
+"""pt-ray: PipeTransformer (ICML 2021) rebuilt as a Ray service."""

@@ -1,0 +1,406 @@
+"""Run configuration: one validated ``RunConfig`` per run, from YAML plus ``key=value`` overrides.
+
+Pure module (pydantic and stdlib only). Every rule that can be checked without building a model
+is checked here, so a bad value fails before any process or worker starts. Errors name the field,
+the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "DataConfig",
+    "FreezeConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "RunConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    """Which Transformer to train and how to build it (never downloaded)."""
+
+    family: Literal["timm", "hf"] = "timm"
+    """``timm`` (Vision Transformers: vit_*, deit_*) or ``hf`` (Hugging Face BERT-family)."""
+    name: str = "vit_base_patch16_224"
+    """timm model name, or for ``hf`` a model type (``bert``, ``roberta``, ``distilbert``).
+    Architecture fields below override the named model's defaults."""
+    depth: int | None = Field(default=None, gt=0)
+    """Number of transformer blocks L (timm ``depth``, HF ``num_hidden_layers``)."""
+    width: int | None = Field(default=None, gt=0)
+    """Hidden size (timm ``embed_dim``, HF ``hidden_size``)."""
+    num_heads: int | None = Field(default=None, gt=0)
+    """Attention heads per block."""
+    mlp_ratio: float | None = Field(default=None, gt=0)
+    """MLP hidden size as a multiple of ``width``."""
+    patch_size: int | None = Field(default=None, gt=0)
+    """ViT patch side in pixels."""
+    dropout: float | None = Field(default=None, ge=0, lt=1)
+    """Dropout probability inside blocks (None: the model's default)."""
+    weights: Path | None = None
+    """Local pretrained weights: a Hugging Face model directory (``from_pretrained``) or a timm
+    state-dict file (``.pt``/``.pth``/``.safetensors``). None: random initialisation."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for ``timm.create_model`` or the Hugging Face config."""
+
+    @model_validator(mode="after")
+    def _width_divides(self) -> ModelConfig:
+        if self.width is not None and self.num_heads is not None and self.width % self.num_heads:
+            raise ValueError(
+                f"model.width={self.width} is not divisible by model.num_heads={self.num_heads}; "
+                f"choose num_heads among {_divisors(self.width)}"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    """Where samples come from and how they are batched."""
+
+    name: Literal[
+        "digits",
+        "synthetic_image",
+        "synthetic_text",
+        "cifar10",
+        "cifar100",
+        "imagefolder",
+        "glue_tsv",
+        "squad_json",
+    ] = "digits"
+    """Dataset: ``digits`` (scikit-learn, ships with the package), ``synthetic_*`` (generated),
+    or local files: ``cifar10``/``cifar100`` (python-pickle batches), ``imagefolder``
+    (``train/<class>/*``, ``val/<class>/*``), ``glue_tsv`` (``train.tsv``, ``dev.tsv``),
+    ``squad_json`` (``train.json``, ``dev.json``)."""
+    path: Path | None = None
+    """Local root of the dataset files (required for the local-file datasets)."""
+    tokenizer: Path | None = None
+    """Local tokenizer directory for text files (default: ``model.weights``)."""
+    batch_size: int = Field(default=64, gt=0)
+    """Global batch size per step (``fixed_global``) or per replica (``per_replica``)."""
+    eval_batch_size: int | None = Field(default=None, gt=0)
+    """Batch size for evaluation (default: ``batch_size``)."""
+    image_size: int | None = Field(default=None, gt=0)
+    """Side of the square input image in pixels (default: the dataset's own)."""
+    seq_len: int = Field(default=128, gt=0)
+    """Token sequence length for text datasets (padded or truncated)."""
+    num_samples: int | None = Field(default=None, gt=0)
+    """Samples to generate for synthetic datasets, or to keep from the training split."""
+    num_classes: int | None = Field(default=None, ge=2)
+    """Classes for synthetic datasets."""
+    augment: bool = False
+    """Random training augmentation (crop and flip for images). Makes the training transform
+    non-deterministic, which keeps the activation cache off unless forced."""
+    num_workers: int = Field(default=0, ge=0)
+    """Background loader processes per worker (0: load in the training process)."""
+
+
+class FreezeConfig(_Section):
+    """AutoFreeze: when leading blocks stop training."""
+
+    policy: Literal["paper", "schedule", "none"] = "paper"
+    """``paper``: gradient-norm convergence bounded by alpha; ``schedule``: the 2021 code's
+    geometric schedule ``n(e) = ceil(L (1 - (1 - alpha)^e))``; ``none``: never freeze."""
+    alpha: float = Field(default=1 / 3, gt=0, le=1)
+    """Freeze threshold: at most this fraction of the still-active blocks freezes per decision."""
+    max_frozen: int | None = Field(default=None, ge=0)
+    """Most blocks that may ever be frozen (default: L - 1, so one block keeps training)."""
+    warmup_epochs: int = Field(default=1, ge=0)
+    """Epochs at the start during which nothing freezes."""
+    interval: Literal["epoch", "steps"] = "epoch"
+    """Decide at every epoch boundary, or every ``interval_steps`` optimizer steps."""
+    interval_steps: int = Field(default=100, gt=0)
+    """Steps between decisions when ``interval=steps``."""
+
+
+class PipelineConfig(_Section):
+    """Devices, pipeline length and micro-batching."""
+
+    num_workers: int = Field(default=2, gt=0)
+    """N: training workers, one per device."""
+    pipeline_length: int | Literal["auto"] = "auto"
+    """Initial K, the pipeline stages per replica; a divisor of ``num_workers``. ``auto``: one
+    pipeline over all workers (K = N, as the paper starts)."""
+    num_microbatches: int | Literal["auto"] = "auto"
+    """M, micro-batches per replica per step; ``auto``: chosen per K by the planner."""
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Pipeline schedule: ``gpipe`` (the paper's, fill-drain) or ``1f1b`` (same bubble, far less
+    activation memory)."""
+    memory_budget_bytes: int | Literal["auto"] = "auto"
+    """Most memory one stage may hold; ``auto``: the largest stage of the initial plan."""
+
+    @model_validator(mode="after")
+    def _k_divides_n(self) -> PipelineConfig:
+        for field in ("pipeline_length", "num_microbatches", "memory_budget_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, int) and value <= 0:
+                raise ValueError(f"pipeline.{field}={value} must be a positive integer or 'auto'")
+        k = self.pipeline_length
+        if isinstance(k, int) and self.num_workers % k:
+            raise ValueError(
+                f"pipeline.pipeline_length={k} does not divide pipeline.num_workers="
+                f"{self.num_workers}; choose one of {_divisors(self.num_workers)} or 'auto'"
+            )
+        return self
+
+
+class OptimizerConfig(_Section):
+    """Optimizer and learning-rate schedule (by global step, never rebuilt per epoch)."""
+
+    name: Literal["sgd", "adamw"] = "adamw"
+    """``adamw`` or ``sgd`` (with momentum)."""
+    lr: float = Field(default=1e-3, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.05, ge=0)
+    """Decoupled weight decay; not applied to biases and norm weights."""
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    """SGD momentum."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate shape after warm-up, over the whole run."""
+    warmup_fraction: float = Field(default=0.1, ge=0, lt=1)
+    """Fraction of the run's samples over which the learning rate ramps linearly from 0."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the cosine schedule as a fraction of ``lr``."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm of the active parameters to this value (None: no clip)."""
+    scale_lr_with_replicas: bool = False
+    """With ``batch_policy=per_replica``, scale ``lr`` linearly with the number of replicas."""
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimizerConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas={list(self.betas)} must both lie in [0, 1)")
+        return self
+
+
+class CacheConfig(_Section):
+    """AutoCache: the frozen prefix's activations in Ray's object store."""
+
+    mode: Literal["auto", "on", "off"] = "auto"
+    """``auto``: on when the planner predicts a gain; ``on``/``off``: forced."""
+
+
+class RunConfig(_Section):
+    """Everything one pt-ray run needs. Written resolved beside the run's output."""
+
+    name: str = "pt-ray"
+    """Run name (the controller actor and output folder are named after it)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global"
+    """``fixed_global``: the global batch stays ``data.batch_size`` and each of R replicas takes
+    ``B / R`` (numerically the same as one process); ``per_replica``: each replica takes
+    ``data.batch_size``, so the global batch grows with R (the paper's)."""
+    epochs: int = Field(default=20, gt=0)
+    """Training epochs."""
+    seed: int = 0
+    """Seed for model initialisation and the global sample order."""
+    output_dir: Path = Path("runs")
+    """Folder under which the run writes ``<name>/config.yaml``, ``summary.json`` and more."""
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> RunConfig:
+        if self.freeze.max_frozen is not None and self.model.depth is not None:
+            if self.freeze.max_frozen > self.model.depth:
+                raise ValueError(
+                    f"freeze.max_frozen={self.freeze.max_frozen} exceeds model.depth="
+                    f"{self.model.depth}; choose at most {self.model.depth}"
+                )
+        if self.batch_policy == "fixed_global":
+            k = self.pipeline.pipeline_length
+            n = self.pipeline.num_workers
+            if self.data.batch_size % n:
+                # Any plan may reach R = N replicas (K = 1), each taking B / R samples.
+                raise ValueError(
+                    f"data.batch_size={self.data.batch_size} is not divisible by "
+                    f"pipeline.num_workers={n}; with batch_policy=fixed_global every replica "
+                    f"takes an equal share, so choose a multiple of {n}"
+                )
+            if isinstance(k, int) and k > 1 and isinstance(self.pipeline.num_microbatches, int):
+                share = self.data.batch_size // (n // k)
+                if share % self.pipeline.num_microbatches:
+                    raise ValueError(
+                        f"pipeline.num_microbatches={self.pipeline.num_microbatches} does not "
+                        f"divide the per-replica batch {share}; choose a divisor of {share}"
+                    )
+        if self.data.name in ("cifar10", "cifar100", "imagefolder", "glue_tsv", "squad_json"):
+            if self.data.path is None:
+                raise ValueError(
+                    f"data.name={self.data.name} reads local files; set data.path to their "
+                    "folder (nothing is downloaded)"
+                )
+        if self.data.name == "squad_json" and self.model.family != "hf":
+            raise ValueError(
+                "data.name=squad_json needs a text model; set model.family=hf "
+                "(e.g. model.name=bert)"
+            )
+        return self
+
+    def run_dir(self) -> Path:
+        """Folder this run writes to."""
+        return self.output_dir / self.name
+
+    def to_yaml(self) -> str:
+        """The resolved configuration as YAML (round-trips through :func:`load_config`)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML (``3`` -> int, ``0.5`` -> float, ``null`` -> None)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _check_keys(data: Mapping[str, Any], model: type[BaseModel], prefix: str = "") -> None:
+    """Reject unknown keys with the valid ones and the closest match."""
+    fields = model.model_fields
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            valid = sorted(fields)
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            where = f"of {prefix[:-1]}" if prefix else "at the top level"
+            raise ConfigError(
+                f"{path}: unknown field{hint} Valid fields {where}: {', '.join(valid)}"
+            )
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if isinstance(value, Mapping):
+                _check_keys(value, annotation, prefix=f"{path}.")
+            elif value is not None:
+                raise ConfigError(
+                    f"{path}={value!r}: expected a section with fields "
+                    f"{', '.join(sorted(annotation.model_fields))}"
+                )
+
+
+def _nested_set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML) to a config dict."""
+    out: dict[str, Any] = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                f"override {item!r} is not key=value; write e.g. freeze.alpha=0.25"
+            )
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key; write e.g. epochs=5")
+        _nested_set(out, key, _parse_value(text))
+    return out
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def _format_errors(err: ValidationError, data: Mapping[str, Any]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "int", "lax")))
+        # Literal/union errors carry the allowed values in their message already.
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "value_error" or not loc:
+            lines.append(msg)
+            continue
+        value = _lookup(data, [p for p in e["loc"] if isinstance(p, str)])
+        shown = "" if value is _MISSING else f"={value!r}"
+        lines.append(f"{loc}{shown}: {msg}")
+    # A union (int | 'auto') reports one line per member; keep each distinct line once.
+    return "; ".join(dict.fromkeys(lines))
+
+
+_MISSING = object()
+
+
+def _lookup(data: Any, path: list[str]) -> Any:
+    for part in path:
+        if not isinstance(data, Mapping) or part not in data:
+            return _MISSING
+        data = data[part]
+    return data
+
+
+def build_config(data: Mapping[str, Any] | RunConfig | None = None) -> RunConfig:
+    """Validate a config dict (or pass a ``RunConfig`` through), raising :class:`ConfigError`."""
+    if isinstance(data, RunConfig):
+        return data
+    data = dict(data or {})
+    _check_keys(data, RunConfig)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"invalid config: {_format_errors(err, data)}") from None
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Iterable[str] = ()
+) -> RunConfig:
+    """Load a YAML config file (optional) and apply ``key=value`` overrides.
+
+    Args:
+        path: YAML file with any subset of :class:`RunConfig`'s fields; None: defaults.
+        overrides: strings such as ``"freeze.alpha=0.25"``, applied in order.
+
+    Raises:
+        ConfigError: the file is missing or malformed, or a value is invalid.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass a YAML file path")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ConfigError(
+                f"config file {str(p)!r} must hold a mapping of fields, got {type(loaded).__name__}"
+            )
+        data = dict(loaded or {})
+    return build_config(apply_overrides(data, overrides))

@@ -1,0 +1,51 @@
+"""Datasets, the deterministic global sampler, and batch gathering (torch layer; no ray)."""
+
+from pt_ray.data.base import (
+    Batch,
+    DatasetSplits,
+    SampleDataset,
+    SubsetDataset,
+    TensorSampleDataset,
+    gather,
+    set_epoch,
+)
+from pt_ray.data.registry import DATASETS, build_dataset, cap_train
+from pt_ray.data.sampler import GlobalSampler, eval_shards, split_for_replica
+from pt_ray.data.synthetic import synthetic_image, synthetic_text
+from pt_ray.data.text import load_glue_tsv, load_squad_json, load_tokenizer
+from pt_ray.data.transforms import ImageTransform, random_crop_flip
+from pt_ray.data.vision import (
+    ImageArrayDataset,
+    ImageFileDataset,
+    load_cifar,
+    load_digits,
+    load_imagefolder,
+)
+
+__all__ = [
+    "DATASETS",
+    "Batch",
+    "DatasetSplits",
+    "GlobalSampler",
+    "ImageArrayDataset",
+    "ImageFileDataset",
+    "ImageTransform",
+    "SampleDataset",
+    "SubsetDataset",
+    "TensorSampleDataset",
+    "build_dataset",
+    "cap_train",
+    "eval_shards",
+    "gather",
+    "load_cifar",
+    "load_digits",
+    "load_glue_tsv",
+    "load_imagefolder",
+    "load_squad_json",
+    "load_tokenizer",
+    "random_crop_flip",
+    "set_epoch",
+    "split_for_replica",
+    "synthetic_image",
+    "synthetic_text",
+]

@@ -1,0 +1,191 @@
+"""The dataset seam: samples are ``(index, inputs, target)`` and batches are gathered by index.
+
+Every dataset pt-ray trains on implements :class:`SampleDataset`. The global sampler decides
+which indices a step covers; :func:`gather` turns those indices into one batch. The index travels
+with the sample because it is the activation cache's key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+Task = Literal["classification", "question_answering"]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch of samples.
+
+    Attributes:
+        indices: ``[B]`` int64 dataset indices (the cache key).
+        inputs: model inputs in the order of the dataset's ``input_names``; each ``[B, ...]``.
+        target: ``[B]`` int64 class ids, or ``[B, 2]`` start/end positions for QA.
+    """
+
+    indices: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+    target: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Rows ``[start, stop)`` of every tensor (a view, no copy)."""
+        return Batch(
+            self.indices[start:stop],
+            tuple(t[start:stop] for t in self.inputs),
+            self.target[start:stop],
+        )
+
+
+@runtime_checkable
+class SampleDataset(Protocol):
+    """A map-style dataset of ``(index, inputs, target)`` samples."""
+
+    input_names: tuple[str, ...]
+    """Names of the input tensors, matching the model adapter's ``input_names``."""
+    deterministic_transform: bool
+    """True when a sample's inputs are the same every epoch (no random augmentation); the
+    activation cache is only valid for such datasets."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class DatasetSplits:
+    """A train and an eval split plus what a model builder needs to know about them.
+
+    Attributes:
+        name: dataset name as given in the config.
+        task: ``"classification"`` or ``"question_answering"``.
+        train: training split.
+        eval: evaluation split (scored whole, never one rank's shard).
+        num_classes: number of classes (classification), else None.
+        image_size: side of the (square) input images, for image datasets.
+        in_chans: image channels, for image datasets.
+        seq_len: token sequence length, for text datasets.
+        vocab_size: vocabulary size the inputs index into, for text datasets.
+    """
+
+    name: str
+    task: Task
+    train: SampleDataset
+    eval: SampleDataset
+    num_classes: int | None = None
+    image_size: int | None = None
+    in_chans: int | None = None
+    seq_len: int | None = None
+    vocab_size: int | None = None
+
+
+def gather(dataset: SampleDataset, indices: Sequence[int]) -> Batch:
+    """Load the samples at ``indices`` as one :class:`Batch`.
+
+    Datasets held in memory may define ``batch(indices) -> Batch`` for a vectorised fast path;
+    others are read sample by sample and stacked.
+    """
+    fast = getattr(dataset, "batch", None)
+    if fast is not None:
+        return fast(indices)
+    samples = [dataset[int(i)] for i in indices]
+    idx = torch.tensor([s[0] for s in samples], dtype=torch.int64)
+    inputs = tuple(torch.stack([s[1][j] for s in samples]) for j in range(len(samples[0][1])))
+    target = torch.stack([torch.as_tensor(s[2]) for s in samples])
+    return Batch(idx, inputs, target)
+
+
+class TensorSampleDataset:
+    """An in-memory dataset of stacked tensors, with a vectorised ``batch``.
+
+    Args:
+        inputs: input tensors, each ``[num_samples, ...]``.
+        target: ``[num_samples]`` or ``[num_samples, 2]``.
+        input_names: names of ``inputs``.
+        deterministic_transform: see :class:`SampleDataset` (True: no augmentation here).
+    """
+
+    def __init__(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        target: torch.Tensor,
+        input_names: tuple[str, ...],
+        deterministic_transform: bool = True,
+    ) -> None:
+        n = target.shape[0]
+        for name, t in zip(input_names, inputs, strict=True):
+            if t.shape[0] != n:
+                raise ValueError(f"input {name!r} has {t.shape[0]} rows but target has {n}")
+        self.inputs = inputs
+        self.target = target
+        self.input_names = input_names
+        self.deterministic_transform = deterministic_transform
+
+    def __len__(self) -> int:
+        return int(self.target.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
+        return index, tuple(t[index] for t in self.inputs), self.target[index]
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        return Batch(idx, tuple(t[idx] for t in self.inputs), self.target[idx])
+
+
+def set_epoch(dataset: SampleDataset, epoch: int) -> None:
+    """Tell ``dataset`` the epoch, for datasets whose random augmentation depends on it.
+
+    Augmented datasets draw each sample's view from ``(seed, epoch, index)``, so every replica
+    and the reference trainer see the same view of a sample in an epoch, and the view changes
+    from one epoch to the next. Call this at the start of each epoch; datasets without
+    augmentation ignore it.
+    """
+    fn = getattr(dataset, "set_epoch", None)
+    if fn is not None:
+        fn(epoch)
+
+
+class SubsetDataset:
+    """The samples of ``base`` at ``keep``, re-indexed ``0..len(keep)-1``.
+
+    The new index is the one a :class:`Batch` carries (the sampler and the activation cache
+    work on the subset's own positions).
+
+    Args:
+        base: the dataset to take from.
+        keep: ``[n]`` indices into ``base``, each in range.
+    """
+
+    def __init__(self, base: SampleDataset, keep: Sequence[int]) -> None:
+        keep_t = torch.as_tensor(keep, dtype=torch.int64)
+        if keep_t.ndim != 1:
+            raise ValueError(f"keep must be a 1-d list of indices, got shape {tuple(keep_t.shape)}")
+        if len(keep_t) and (int(keep_t.min()) < 0 or int(keep_t.max()) >= len(base)):
+            raise ValueError(
+                f"keep holds indices in [{int(keep_t.min())}, {int(keep_t.max())}] but the "
+                f"dataset has {len(base)} samples; use indices in [0, {len(base) - 1}]"
+            )
+        self.base = base
+        self.keep = keep_t
+        self.input_names = base.input_names
+        self.deterministic_transform = base.deterministic_transform
+
+    def __len__(self) -> int:
+        return int(self.keep.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
+        _, inputs, target = self.base[int(self.keep[index])]
+        return index, inputs, target
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        inner = gather(self.base, self.keep[idx].tolist())
+        return Batch(idx, inner.inputs, inner.target)
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch(self.base, epoch)

@@ -1,0 +1,50 @@
+"""Batches for a list of index arrays, loaded in the training process or in background workers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch.utils.data
+
+from pt_ray.data.base import Batch, SampleDataset, gather
+
+__all__ = ["iterate_batches"]
+
+
+class _ByStep(torch.utils.data.Dataset):
+    """Position ``s`` is the whole batch of step ``s`` (so workers build batches, not samples)."""
+
+    def __init__(self, dataset: SampleDataset, steps: Sequence[np.ndarray]) -> None:
+        self.dataset = dataset
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, s: int) -> Batch:
+        return gather(self.dataset, self.steps[s].tolist())
+
+
+def iterate_batches(
+    dataset: SampleDataset, steps: Sequence[np.ndarray], num_workers: int = 0
+) -> Iterator[Batch]:
+    """Yield one :class:`Batch` per index array, in order.
+
+    Args:
+        dataset: where samples come from.
+        steps: the indices of each batch, in the order they are needed.
+        num_workers: background loader processes (0: load inline; in-memory datasets need none).
+    """
+    if num_workers == 0:
+        for idx in steps:
+            yield gather(dataset, idx.tolist())
+        return
+    loader = torch.utils.data.DataLoader(
+        _ByStep(dataset, steps),
+        batch_size=None,
+        shuffle=False,
+        num_workers=num_workers,
+        persistent_workers=False,
+    )
+    yield from loader

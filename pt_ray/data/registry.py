@@ -1,0 +1,161 @@
+"""Turns a ``DataConfig`` into train and eval splits: one builder per dataset name."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from pt_ray.config import DataConfig
+from pt_ray.data.base import DatasetSplits, SubsetDataset
+from pt_ray.data.synthetic import synthetic_image, synthetic_text
+from pt_ray.data.text import load_glue_tsv, load_squad_json
+from pt_ray.data.vision import load_cifar, load_digits, load_imagefolder
+
+__all__ = ["DATASETS", "build_dataset", "cap_train"]
+
+logger = logging.getLogger(__name__)
+
+_Builder = Callable[[DataConfig, int, Path | None], DatasetSplits]
+
+SYNTHETIC_NUM_SAMPLES = 2048
+"""Training samples a synthetic dataset generates when ``data.num_samples`` is unset."""
+SYNTHETIC_NUM_EVAL = 512
+"""Eval samples of every synthetic dataset."""
+
+
+def _path(cfg: DataConfig) -> Path:
+    if cfg.path is None:
+        raise ValueError(
+            f"data.name={cfg.name} reads local files; set data.path to their folder "
+            "(nothing is downloaded)"
+        )
+    return cfg.path
+
+
+def _digits(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    return load_digits(image_size=cfg.image_size, seed=seed)
+
+
+def _synthetic_image(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    return synthetic_image(
+        cfg.num_samples or SYNTHETIC_NUM_SAMPLES,
+        SYNTHETIC_NUM_EVAL,
+        image_size=cfg.image_size or 16,
+        num_classes=cfg.num_classes or 10,
+        seed=seed,
+    )
+
+
+def _synthetic_text(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    return synthetic_text(
+        cfg.num_samples or SYNTHETIC_NUM_SAMPLES,
+        SYNTHETIC_NUM_EVAL,
+        seq_len=cfg.seq_len,
+        num_classes=cfg.num_classes or 4,
+        seed=seed,
+    )
+
+
+def _cifar(classes: int) -> _Builder:
+    def build(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+        return load_cifar(
+            _path(cfg), classes, image_size=cfg.image_size, augment=cfg.augment, seed=seed
+        )
+
+    return build
+
+
+def _imagefolder(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    return load_imagefolder(
+        _path(cfg), image_size=cfg.image_size, augment=cfg.augment, seed=seed
+    )
+
+
+def _glue(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    return load_glue_tsv(_path(cfg), tok, seq_len=cfg.seq_len)
+
+
+def _squad(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    return load_squad_json(_path(cfg), tok, seq_len=cfg.seq_len)
+
+
+DATASETS: dict[str, _Builder] = {
+    "digits": _digits,
+    "synthetic_image": _synthetic_image,
+    "synthetic_text": _synthetic_text,
+    "cifar10": _cifar(10),
+    "cifar100": _cifar(100),
+    "imagefolder": _imagefolder,
+    "glue_tsv": _glue,
+    "squad_json": _squad,
+}
+"""Builder per ``data.name``: ``(cfg, seed, tokenizer_dir) -> DatasetSplits``."""
+
+_AUGMENTABLE = ("cifar10", "cifar100", "imagefolder")
+_GENERATED = ("synthetic_image", "synthetic_text")
+
+
+def cap_train(splits: DatasetSplits, num_samples: int, seed: int) -> DatasetSplits:
+    """Keep a seeded random ``num_samples`` of the training split (all of it if smaller).
+
+    The kept samples are re-indexed ``0..num_samples-1`` in their original order.
+    """
+    n = len(splits.train)
+    if num_samples >= n:
+        return splits
+    keep = np.sort(np.random.default_rng([seed, 7]).permutation(n)[:num_samples])
+    logger.info("%s: keeping %d of %d training samples", splits.name, num_samples, n)
+    return DatasetSplits(
+        name=splits.name,
+        task=splits.task,
+        train=SubsetDataset(splits.train, keep.tolist()),
+        eval=splits.eval,
+        num_classes=splits.num_classes,
+        image_size=splits.image_size,
+        in_chans=splits.in_chans,
+        seq_len=splits.seq_len,
+        vocab_size=splits.vocab_size,
+    )
+
+
+def build_dataset(
+    cfg: DataConfig, *, seed: int = 0, tokenizer_dir: str | Path | None = None
+) -> DatasetSplits:
+    """Build the train and eval splits ``cfg`` names.
+
+    Args:
+        cfg: the data section of the run config.
+        seed: the run seed; fixes the digits split, synthetic draws, the kept training subset
+            and augmentation, so the same seed always gives the same data.
+        tokenizer_dir: tokenizer directory for text files when ``cfg.tokenizer`` is unset
+            (the caller passes ``model.weights``).
+
+    Returns:
+        The splits. ``cfg.num_samples`` is the generated training size for synthetic datasets
+        and caps the training split (a seeded random subset) for the others.
+
+    Raises:
+        ValueError: an unknown name, a missing ``data.path`` or tokenizer.
+        FileNotFoundError: dataset files are missing; the message gives the expected layout.
+    """
+    builder = DATASETS.get(cfg.name)
+    if builder is None:
+        raise ValueError(f"data.name={cfg.name!r} is unknown; choose one of {sorted(DATASETS)}")
+    if cfg.augment and cfg.name not in _AUGMENTABLE:
+        logger.warning(
+            "data.augment=true has no effect on %s (only %s augment)", cfg.name,
+            ", ".join(_AUGMENTABLE),
+        )
+    tok = cfg.tokenizer if cfg.tokenizer is not None else tokenizer_dir
+    splits = builder(cfg, seed, Path(tok) if tok is not None else None)
+    if cfg.num_samples is not None and cfg.name not in _GENERATED:
+        splits = cap_train(splits, cfg.num_samples, seed)
+    logger.info(
+        "data %s: %d train, %d eval samples, task %s, deterministic transform %s",
+        cfg.name, len(splits.train), len(splits.eval), splits.task,
+        splits.train.deterministic_transform,
+    )
+    return splits

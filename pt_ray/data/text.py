@@ -1,0 +1,288 @@
+"""Text datasets from local files: GLUE-style TSV classification and SQuAD v1.1 JSON.
+
+Text is tokenised once at load with a local tokenizer (never downloaded), padded or truncated
+to ``seq_len``; inputs are ``(input_ids, attention_mask, token_type_ids)``, all int64.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pt_ray.data.base import DatasetSplits, TensorSampleDataset
+from pt_ray.data.synthetic import TEXT_INPUTS
+
+__all__ = ["PAIR_COLUMNS", "load_glue_tsv", "load_squad_json", "load_tokenizer"]
+
+logger = logging.getLogger(__name__)
+
+PAIR_COLUMNS = (
+    ("sentence1", "sentence2"),
+    ("question", "sentence"),
+    ("question1", "question2"),
+    ("premise", "hypothesis"),
+    ("question", "passage"),
+)
+"""Column pairs recognised as sentence pairs, tried in order; else the single ``sentence``."""
+_LABEL_COLUMNS = ("label", "gold_label")
+
+
+def load_tokenizer(tokenizer_dir: str | Path | None) -> Any:
+    """A Hugging Face tokenizer from a local directory (``local_files_only``).
+
+    Raises:
+        ValueError: no directory was given.
+        FileNotFoundError: the directory does not exist.
+    """
+    if tokenizer_dir is None:
+        raise ValueError(
+            "text datasets need a local tokenizer; set data.tokenizer (or model.weights) to a "
+            "directory holding tokenizer.json or vocab.txt"
+        )
+    path = Path(tokenizer_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer directory {str(path)!r} not found; set data.tokenizer to a local "
+            "Hugging Face model directory (tokenizer.json / vocab.txt, tokenizer_config.json)"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _encode(tokenizer: Any, first: list[str], second: list[str] | None, seq_len: int,
+            **kwargs: Any) -> Any:
+    return tokenizer(
+        first,
+        second,
+        padding="max_length",
+        max_length=seq_len,
+        return_token_type_ids=True,
+        **kwargs,
+    )
+
+
+def _inputs(enc: Any) -> tuple[torch.Tensor, ...]:
+    ids = torch.as_tensor(enc["input_ids"], dtype=torch.int64)
+    mask = torch.as_tensor(enc["attention_mask"], dtype=torch.int64)
+    types = enc.get("token_type_ids")
+    types = torch.zeros_like(ids) if types is None else torch.as_tensor(types, dtype=torch.int64)
+    return ids, mask, types
+
+
+def _read_tsv(path: Path) -> tuple[list[str], list[list[str]]]:
+    with path.open(encoding="utf-8", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    if not rows:
+        raise ValueError(f"{str(path)!r} is empty; expected a header row and one row per example")
+    header, body = rows[0], rows[1:]
+    good = [r for r in body if len(r) == len(header)]
+    if len(good) < len(body):
+        logger.warning("%s: skipped %d malformed rows", path, len(body) - len(good))
+    return header, good
+
+
+def _columns(header: Sequence[str], path: Path) -> tuple[str, str | None, str]:
+    label = next((c for c in _LABEL_COLUMNS if c in header), None)
+    pair = next((p for p in PAIR_COLUMNS if p[0] in header and p[1] in header), None)
+    text = pair or (("sentence", None) if "sentence" in header else None)
+    if label is None or text is None:
+        pairs = ", ".join(f"{a}+{b}" for a, b in PAIR_COLUMNS)
+        raise ValueError(
+            f"{str(path)!r} has columns {list(header)}; expected a header with a 'label' column "
+            f"and either 'sentence' or a pair ({pairs})"
+        )
+    return text[0], text[1], label
+
+
+def _label_map(values: Sequence[str], path: Path) -> dict[str, int]:
+    names = sorted(set(values))
+    try:
+        numbers = {v: float(v) for v in names}
+    except ValueError:
+        return {v: i for i, v in enumerate(names)}  # named labels, e.g. MNLI's
+    if any(x != int(x) or x < 0 for x in numbers.values()):
+        raise ValueError(
+            f"{str(path)!r} has labels {names[:5]} that are not class ids (non-negative "
+            "integers); regression tasks such as STS-B are not supported"
+        )
+    return {v: int(x) for v, x in numbers.items()}
+
+
+def load_glue_tsv(
+    root: str | Path, tokenizer_dir: str | Path | None, *, seq_len: int = 128
+) -> DatasetSplits:
+    """GLUE-style classification from ``root/train.tsv`` and ``root/dev.tsv``.
+
+    Each file has a header row; text is one ``sentence`` column or a pair of columns (see
+    :data:`PAIR_COLUMNS`); the class is the ``label`` column (integers, or names mapped to ids
+    in sorted order). ``dev_matched.tsv`` (MNLI) is used when ``dev.tsv`` is absent.
+
+    Args:
+        root: folder holding ``train.tsv`` and ``dev.tsv``.
+        tokenizer_dir: local Hugging Face tokenizer directory.
+        seq_len: padded/truncated sequence length.
+
+    Raises:
+        FileNotFoundError: a file is missing; the message gives the expected layout.
+        ValueError: the columns or labels are not recognised.
+    """
+    root = Path(root)
+    train_path = root / "train.tsv"
+    dev_path = next(
+        (root / n for n in ("dev.tsv", "dev_matched.tsv") if (root / n).is_file()), root / "dev.tsv"
+    )
+    for p in (train_path, dev_path):
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"GLUE file {str(p)!r} not found; expected <path>/train.tsv and <path>/dev.tsv, "
+                "tab-separated with a header row (sentence or sentence1/sentence2 ..., label)"
+            )
+    tokenizer = load_tokenizer(tokenizer_dir)
+    tables = {"train": _read_tsv(train_path), "dev": _read_tsv(dev_path)}
+    a, b, label = _columns(tables["train"][0], train_path)
+    mapping = _label_map([r[tables["train"][0].index(label)] for r in tables["train"][1]],
+                         train_path)
+    splits = {}
+    for split, path in (("train", train_path), ("dev", dev_path)):
+        header, rows = tables[split]
+        _columns(header, path)  # the same layout in both files
+        col = {c: header.index(c) for c in (a, b, label) if c is not None}
+        labels = [r[col[label]] for r in rows]
+        unknown = sorted(set(labels) - set(mapping))
+        if unknown:
+            raise ValueError(
+                f"{str(path)!r} has labels {unknown[:5]} that never occur in {str(train_path)!r}"
+            )
+        enc = _encode(
+            tokenizer,
+            [r[col[a]] for r in rows],
+            [r[col[b]] for r in rows] if b is not None else None,
+            seq_len,
+            truncation=True,
+        )
+        target = torch.tensor([mapping[v] for v in labels], dtype=torch.int64)
+        splits[split] = TensorSampleDataset(_inputs(enc), target, TEXT_INPUTS)
+    num_classes = max(max(mapping.values()) + 1, 2)
+    logger.info("glue_tsv %s: %d train, %d dev, %d classes", root, len(splits["train"]),
+                len(splits["dev"]), num_classes)
+    return DatasetSplits(
+        name="glue_tsv",
+        task="classification",
+        train=splits["train"],
+        eval=splits["dev"],
+        num_classes=num_classes,
+        seq_len=seq_len,
+        vocab_size=len(tokenizer),
+    )
+
+
+def _squad_examples(path: Path) -> list[tuple[str, str, int, int]]:
+    """``(question, context, answer_start_char, answer_end_char)`` per question (first answer;
+    ``(-1, -1)`` when it has none, as in SQuAD v2's impossible questions)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))["data"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{str(path)!r} is not SQuAD v1.1 JSON ({err}); expected "
+            '{"data": [{"paragraphs": [{"context": ..., "qas": [{"question": ..., '
+            '"answers": [{"text": ..., "answer_start": ...}]}]}]}]}'
+        ) from None
+    out = []
+    for article in data:
+        for para in article["paragraphs"]:
+            context = para["context"]
+            for qa in para["qas"]:
+                answers = qa.get("answers") or []
+                if answers:
+                    start = int(answers[0]["answer_start"])
+                    out.append((qa["question"].lstrip(), context, start,
+                                start + len(answers[0]["text"])))
+                else:
+                    out.append((qa["question"].lstrip(), context, -1, -1))
+    return out
+
+
+def _span_target(enc: Any, i: int, start_char: int, end_char: int) -> tuple[int, int]:
+    """Token positions of the answer characters, or ``(0, 0)`` (CLS) outside the window."""
+    if start_char < 0:
+        return 0, 0
+    seq_ids = enc.sequence_ids(i)
+    ctx = [t for t, s in enumerate(seq_ids) if s == 1]
+    if not ctx:
+        return 0, 0
+    offsets = enc["offset_mapping"][i]
+    if offsets[ctx[0]][0] > start_char or offsets[ctx[-1]][1] < end_char:
+        return 0, 0
+    start = max(t for t in ctx if offsets[t][0] <= start_char)
+    end = min(t for t in ctx if offsets[t][1] >= end_char)
+    return start, end
+
+
+def load_squad_json(
+    root: str | Path, tokenizer_dir: str | Path | None, *, seq_len: int = 384
+) -> DatasetSplits:
+    """SQuAD v1.1 question answering from ``root/train.json`` and ``root/dev.json``.
+
+    Question and context are tokenised as a pair with ``truncation="only_second"`` (one window
+    per question, no stride); the target ``[2]`` is the first answer's start and end token. An
+    answer cut off by the window targets ``(0, 0)``, the ``[CLS]`` token, as Hugging Face does.
+
+    Args:
+        root: folder holding ``train.json`` and ``dev.json``.
+        tokenizer_dir: local directory of a fast (Rust) tokenizer, for offset mappings.
+        seq_len: padded/truncated sequence length.
+
+    Raises:
+        FileNotFoundError: a file is missing; the message gives the expected layout.
+        ValueError: the JSON is not SQuAD-shaped or the tokenizer is not a fast one.
+    """
+    root = Path(root)
+    paths = {"train": root / "train.json", "dev": root / "dev.json"}
+    for p in paths.values():
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"SQuAD file {str(p)!r} not found; expected <path>/train.json and "
+                "<path>/dev.json in SQuAD v1.1 format (rename train-v1.1.json, dev-v1.1.json)"
+            )
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"tokenizer in {str(tokenizer_dir)!r} is not a fast tokenizer; SQuAD needs offset "
+            "mappings, so provide a directory with tokenizer.json"
+        )
+    splits = {}
+    for split, path in paths.items():
+        examples = _squad_examples(path)
+        if not examples:
+            raise ValueError(f"{str(path)!r} holds no questions")
+        enc = _encode(
+            tokenizer,
+            [e[0] for e in examples],
+            [e[1] for e in examples],
+            seq_len,
+            truncation="only_second",
+            return_offsets_mapping=True,
+        )
+        target = torch.tensor(
+            [_span_target(enc, i, e[2], e[3]) for i, e in enumerate(examples)], dtype=torch.int64
+        )
+        lost = int((target[:, 0] == 0).sum())
+        if lost:
+            logger.info("squad_json %s: %d of %d answers outside the %d-token window -> CLS",
+                        path, lost, len(examples), seq_len)
+        splits[split] = TensorSampleDataset(_inputs(enc), target, TEXT_INPUTS)
+    return DatasetSplits(
+        name="squad_json",
+        task="question_answering",
+        train=splits["train"],
+        eval=splits["dev"],
+        seq_len=seq_len,
+        vocab_size=len(tokenizer),
+    )

@@ -1,0 +1,373 @@
+"""Image datasets: scikit-learn digits, CIFAR-10/100 pickle batches and image folders.
+
+Nothing is downloaded: digits ship with scikit-learn, CIFAR and image folders are read from a
+local root. Inputs are ``(pixel_values[C, H, W] float32,)``, normalised per channel; targets are
+int64 class ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pt_ray.data.base import Batch, DatasetSplits, TensorSampleDataset
+from pt_ray.data.transforms import (
+    CIFAR10_STATS,
+    CIFAR100_STATS,
+    IMAGENET_STATS,
+    ImageTransform,
+)
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "ImageArrayDataset",
+    "ImageFileDataset",
+    "load_cifar",
+    "load_digits",
+    "load_imagefolder",
+]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".tif", ".tiff", ".webp")
+"""File name endings :func:`load_imagefolder` reads (case-insensitive)."""
+
+_PIXELS = ("pixel_values",)
+
+
+class ImageArrayDataset:
+    """Images held in memory as stored (e.g. uint8), transformed batch by batch.
+
+    Keeping the stored form (and resizing per batch) bounds memory: CIFAR's 50,000 training
+    images are 150 MB as uint8, but 30 GB as float32 at 224 x 224.
+
+    Args:
+        images: ``[N, C, H, W]`` stored images.
+        labels: ``[N]`` int64 class ids.
+        transform: stored images -> model inputs; its ``augment`` flag makes the split
+            non-deterministic.
+    """
+
+    input_names = _PIXELS
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: ImageTransform):
+        if images.ndim != 4 or images.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"images must be [N, C, H, W] with N == len(labels)={labels.shape[0]}, "
+                f"got shape {tuple(images.shape)}"
+            )
+        self.images = images
+        self.labels = labels
+        self.transform = transform
+        self.deterministic_transform = not transform.augment
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's augmented views (no effect without augmentation)."""
+        self.transform.epoch = epoch
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
+        b = self.batch([index])
+        return index, (b.inputs[0][0],), b.target[0]
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        pixels = self.transform(self.images[idx], idx.numpy())
+        return Batch(idx, (pixels,), self.labels[idx])
+
+
+class ImageFileDataset:
+    """Image files read when a batch is gathered (for folders too large to hold in memory).
+
+    Each image is converted to RGB, its shorter side resized to ``size`` and centre-cropped to
+    ``size x size`` before ``transform`` applies augmentation and normalisation.
+
+    Args:
+        files: image paths.
+        labels: ``[N]`` int64 class ids.
+        size: side of the stored square image in pixels.
+        transform: stored uint8 images -> model inputs.
+    """
+
+    input_names = _PIXELS
+
+    def __init__(
+        self, files: Sequence[Path], labels: torch.Tensor, size: int, transform: ImageTransform
+    ) -> None:
+        if len(files) != labels.shape[0]:
+            raise ValueError(f"got {len(files)} files but {labels.shape[0]} labels")
+        self.files = list(files)
+        self.labels = labels
+        self.size = size
+        self.transform = transform
+        self.deterministic_transform = not transform.augment
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's augmented views (no effect without augmentation)."""
+        self.transform.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _read(self, index: int) -> torch.Tensor:
+        from PIL import Image
+
+        with Image.open(self.files[index]) as img:
+            img = img.convert("RGB")
+            w, h = img.size
+            scale = self.size / min(w, h)
+            nw, nh = max(self.size, round(w * scale)), max(self.size, round(h * scale))
+            img = img.resize((nw, nh), Image.Resampling.BILINEAR)
+            left, top = (nw - self.size) // 2, (nh - self.size) // 2
+            img = img.crop((left, top, left + self.size, top + self.size))
+            arr = np.asarray(img, dtype=np.uint8)
+        return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+
+    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
+        b = self.batch([index])
+        return index, (b.inputs[0][0],), b.target[0]
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        stored = torch.stack([self._read(int(i)) for i in idx])
+        return Batch(idx, (self.transform(stored, idx.numpy()),), self.labels[idx])
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``([1797, 8, 8] float, [1797] int)``.
+
+    Reads the CSV scikit-learn bundles without importing scikit-learn (whose import costs
+    ~2 s per process); falls back to ``sklearn.datasets.load_digits`` if the file moved.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        csv = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if csv.is_file():
+            data = np.loadtxt(csv, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    bunch = sk_load_digits()
+    return bunch.images, bunch.target.astype(np.int64)
+
+
+def stratified_split(
+    labels: np.ndarray, eval_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded stratified split into sorted ``(train, eval)`` index arrays.
+
+    The eval split has ``ceil(eval_fraction * N)`` samples (as scikit-learn's
+    ``train_test_split``), shared among classes in proportion to their size, remainders going
+    to the largest fractional parts.
+    """
+    classes, counts = np.unique(labels, return_counts=True)
+    n_eval = math.ceil(eval_fraction * len(labels))
+    share = counts * n_eval / len(labels)
+    take = np.floor(share).astype(np.int64)
+    take[np.argsort(-(share - take), kind="stable")[: n_eval - int(take.sum())]] += 1
+    rng = np.random.default_rng([seed, 0])
+    held = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in zip(classes, take)]
+    eval_idx = np.sort(np.concatenate(held))
+    train_idx = np.setdiff1d(np.arange(len(labels)), eval_idx)
+    return train_idx, eval_idx
+
+
+def load_digits(image_size: int | None = None, seed: int = 0) -> DatasetSplits:
+    """scikit-learn's 8 x 8 handwritten digits (1797 samples, 10 classes), split 80/20.
+
+    Pixels are divided by 16, resized once to ``image_size`` (bilinear) if given, then
+    standardised with the training split's mean and standard deviation.
+
+    Args:
+        image_size: output side in pixels (default: 8, the native size).
+        seed: seeds the stratified split (same seed, same split).
+
+    Returns:
+        In-memory splits of 1437 training and 360 eval samples.
+    """
+    images, target = _digits_arrays()
+    x = torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1)  # [N, 1, 8, 8]
+    y = torch.from_numpy(target)
+    train_idx, eval_idx = stratified_split(target, 0.2, seed)
+    size = image_size or 8
+    if size != 8:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    mean, std = x[train_idx].mean(), x[train_idx].std()
+    x = (x - mean) / std
+    return DatasetSplits(
+        name="digits",
+        task="classification",
+        train=TensorSampleDataset((x[train_idx],), y[train_idx], _PIXELS),
+        eval=TensorSampleDataset((x[eval_idx],), y[eval_idx], _PIXELS),
+        num_classes=10,
+        image_size=size,
+        in_chans=1,
+    )
+
+
+def _unpickle(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        raw = pickle.load(f, encoding="bytes")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
+
+
+_CIFAR = {
+    # num_classes: (folder, train files, test files, label key, official archive)
+    10: ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"],
+         "labels", "cifar-10-python.tar.gz"),
+    100: ("cifar-100-python", ["train"], ["test"], "fine_labels", "cifar-100-python.tar.gz"),
+}
+
+
+def _cifar_layout(root: Path, num_classes: int) -> tuple[list[Path], list[Path], str]:
+    folder, train, test, key, archive = _CIFAR[num_classes]
+    base = root if root.name == folder else root / folder
+    for name in train + test:
+        if not (base / name).is_file():
+            raise FileNotFoundError(
+                f"CIFAR-{num_classes} file {str(base / name)!r} not found; expected the python "
+                f"pickle batches ({', '.join(train + test)}) in <path>/{folder}/, as unpacked "
+                f"from the official {archive}; set data.path to the folder that holds {folder}/"
+            )
+    return [base / n for n in train], [base / n for n in test], key
+
+
+def _read_cifar(files: list[Path], key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [_unpickle(f) for f in files]
+    for f, p in zip(files, parts, strict=True):
+        if "data" not in p or key not in p:
+            raise ValueError(
+                f"{str(f)!r} is not a CIFAR python batch: it lacks 'data' or {key!r} "
+                f"(has {sorted(p)})"
+            )
+    data = np.concatenate([np.asarray(p["data"], dtype=np.uint8) for p in parts])
+    labels = np.concatenate([np.asarray(p[key], dtype=np.int64) for p in parts])
+    images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
+    return images, torch.from_numpy(labels)
+
+
+def load_cifar(
+    root: str | Path,
+    num_classes: int = 10,
+    *,
+    image_size: int | None = None,
+    augment: bool = False,
+    seed: int = 0,
+) -> DatasetSplits:
+    """CIFAR-10 or CIFAR-100 from the official python-pickle batches in ``root``.
+
+    Args:
+        root: folder holding ``cifar-10-batches-py/`` (``data_batch_1..5``, ``test_batch``)
+            or ``cifar-100-python/`` (``train``, ``test``), or that folder itself.
+        num_classes: 10 or 100 (CIFAR-100 uses the fine labels).
+        image_size: output side in pixels (default: 32; resized per batch).
+        augment: random crop (padding 4) and horizontal flip on the training split.
+        seed: the augmentation key.
+
+    Raises:
+        FileNotFoundError: a batch file is missing; the message gives the expected layout.
+    """
+    if num_classes not in (10, 100):
+        raise ValueError(f"num_classes={num_classes} must be 10 (CIFAR-10) or 100 (CIFAR-100)")
+    train_files, test_files, key = _cifar_layout(Path(root), num_classes)
+    mean, std = CIFAR10_STATS if num_classes == 10 else CIFAR100_STATS
+    size = image_size or 32
+    out_size = None if size == 32 else size
+    x_train, y_train = _read_cifar(train_files, key)
+    x_test, y_test = _read_cifar(test_files, key)
+    logger.info("cifar%d: %d train, %d eval images", num_classes, len(y_train), len(y_test))
+    return DatasetSplits(
+        name=f"cifar{num_classes}",
+        task="classification",
+        train=ImageArrayDataset(
+            x_train, y_train, ImageTransform(mean, std, out_size, augment=augment, seed=seed)
+        ),
+        eval=ImageArrayDataset(x_test, y_test, ImageTransform(mean, std, out_size)),
+        num_classes=num_classes,
+        image_size=size,
+        in_chans=3,
+    )
+
+
+def _scan(split_dir: Path) -> dict[str, list[Path]]:
+    classes = sorted(d for d in split_dir.iterdir() if d.is_dir())
+    return {
+        d.name: sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+        for d in classes
+    }
+
+
+def load_imagefolder(
+    root: str | Path,
+    *,
+    image_size: int | None = None,
+    augment: bool = False,
+    seed: int = 0,
+) -> DatasetSplits:
+    """Images in ``root/train/<class>/*`` and ``root/val/<class>/*``, read lazily per batch.
+
+    Classes are the sorted sub-folder names of ``train``; ``val`` may not add new ones.
+
+    Args:
+        root: the dataset folder.
+        image_size: side in pixels every image is resized and centre-cropped to (default 224).
+        augment: random crop (padding 4) and horizontal flip on the training split.
+        seed: the augmentation key.
+
+    Raises:
+        FileNotFoundError: ``train``/``val`` is missing or holds no images.
+        ValueError: ``val`` has a class that ``train`` lacks.
+    """
+    root = Path(root)
+    layout = (
+        f"expected {root}/train/<class>/*.png|jpg|... and {root}/val/<class>/*.png|jpg|... "
+        f"(extensions: {', '.join(IMAGE_EXTENSIONS)})"
+    )
+    splits: dict[str, dict[str, list[Path]]] = {}
+    for split in ("train", "val"):
+        d = root / split
+        if not d.is_dir():
+            raise FileNotFoundError(f"image folder {str(d)!r} not found; {layout}")
+        splits[split] = _scan(d)
+        if not any(splits[split].values()):
+            raise FileNotFoundError(f"no images found under {str(d)!r}; {layout}")
+    classes = sorted(c for c, files in splits["train"].items() if files)
+    unknown = sorted(c for c, files in splits["val"].items() if files and c not in classes)
+    if unknown:
+        raise ValueError(
+            f"{str(root / 'val')!r} has classes {unknown} with no training images under "
+            f"{str(root / 'train')!r}; add them to train/ or remove them from val/"
+        )
+    size = image_size or 224
+    mean, std = IMAGENET_STATS
+
+    def make(split: str, transform: ImageTransform) -> ImageFileDataset:
+        files = [(f, i) for i, c in enumerate(classes) for f in splits[split].get(c, [])]
+        labels = torch.tensor([i for _, i in files], dtype=torch.int64)
+        return ImageFileDataset([f for f, _ in files], labels, size, transform)
+
+    train = make("train", ImageTransform(mean, std, augment=augment, seed=seed))
+    val = make("val", ImageTransform(mean, std))
+    logger.info("imagefolder %s: %d classes, %d train, %d eval", root, len(classes),
+                len(train), len(val))
+    return DatasetSplits(
+        name="imagefolder",
+        task="classification",
+        train=train,
+        eval=val,
+        num_classes=len(classes),
+        image_size=size,
+        in_chans=3,
+    )

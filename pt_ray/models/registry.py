@@ -1,0 +1,307 @@
+"""Build a model adapter from a ``ModelConfig``: timm ViTs and Hugging Face BERT-family encoders."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pt_ray.config import ModelConfig
+from pt_ray.models.base import ModelAdapter, Task
+from pt_ray.models.bert import HF_ENCODERS, HFEncoderAdapter, HFEncoderSpec
+from pt_ray.models.vit import TimmViTAdapter, load_timm_weights
+
+__all__ = ["build_adapter"]
+
+logger = logging.getLogger(__name__)
+
+_TASKS = ("classification", "question_answering")
+
+
+def build_adapter(
+    cfg: ModelConfig,
+    *,
+    num_classes: int | None,
+    task: str = "classification",
+    image_size: int | None = None,
+    in_chans: int | None = None,
+    vocab_size: int | None = None,
+    seq_len: int | None = None,
+    seed: int = 0,
+) -> ModelAdapter:
+    """Build the model ``cfg`` describes, load its local weights, and wrap it in an adapter.
+
+    Seeds torch's global generator with ``seed`` first, so every rank builds identical weights
+    (including any fresh head on top of pretrained weights). Nothing is downloaded.
+
+    Args:
+        cfg: which model; architecture fields left None keep the named model's defaults.
+        num_classes: classes of the classifier head (None: the model's default). Must be None
+            or 2 for question answering.
+        task: ``"classification"`` or ``"question_answering"`` (Hugging Face only).
+        image_size: input side in pixels (timm; None: the model's default).
+        in_chans: input channels (timm; None: the model's default).
+        vocab_size: tokenizer vocabulary size (Hugging Face; None: the config's default).
+        seq_len: longest token sequence; the position table is grown to fit it (Hugging Face).
+        seed: seed for the model's random initialisation.
+
+    Returns:
+        The adapter, with its model in train mode.
+
+    Raises:
+        ValueError: an unknown model name or type (with the close or supported ones), a task the
+            family does not support, conflicting overrides, or weights that do not fit.
+    """
+    if task not in _TASKS:
+        raise ValueError(f"task={task!r} is not supported; choose one of {', '.join(_TASKS)}")
+    torch.manual_seed(seed)
+    if cfg.family == "timm":
+        adapter: ModelAdapter = _build_timm(cfg, num_classes, task, image_size, in_chans)
+    else:
+        adapter = _build_hf(cfg, num_classes, task, vocab_size, seq_len)
+    adapter.model.train()
+    params = sum(p.numel() for p in adapter.model.parameters())
+    logger.info(
+        "built %s %s for %s: L=%d blocks, %.2fM parameters%s",
+        cfg.family,
+        type(adapter.model).__name__,
+        task,
+        adapter.num_layers,
+        params / 1e6,
+        f", weights from {cfg.weights}" if cfg.weights else "",
+    )
+    return adapter
+
+
+def _merge(kwargs: dict[str, Any], overrides: dict[str, Any], names: dict[str, str]) -> None:
+    """Add ``overrides`` to ``kwargs``, refusing keys that a config field already set."""
+    for key, value in overrides.items():
+        if key in kwargs and kwargs[key] != value:
+            field = names.get(key, key)
+            raise ValueError(
+                f"model.overrides[{key!r}]={value!r} conflicts with {field}={kwargs[key]!r}; "
+                "set it in one place"
+            )
+        kwargs[key] = value
+
+
+def _build_timm(
+    cfg: ModelConfig,
+    num_classes: int | None,
+    task: str,
+    image_size: int | None,
+    in_chans: int | None,
+) -> TimmViTAdapter:
+    import timm
+
+    if task != "classification":
+        raise ValueError(
+            f"task={task!r} is not supported for model.family=timm; timm models classify "
+            "images (task='classification')"
+        )
+    if not timm.is_model(cfg.name):
+        close = difflib.get_close_matches(cfg.name, timm.list_models(), n=5, cutoff=0.6)
+        if not close:
+            close = timm.list_models("vit_tiny*")[:3] + timm.list_models("deit_tiny*")[:2]
+        raise ValueError(
+            f"model.name={cfg.name!r} is not a timm model; close names: {', '.join(close)}"
+        )
+    fields = {
+        "num_classes": ("num_classes", num_classes),
+        "img_size": ("image size", image_size),
+        "in_chans": ("input channels", in_chans),
+        "depth": ("model.depth", cfg.depth),
+        "embed_dim": ("model.width", cfg.width),
+        "num_heads": ("model.num_heads", cfg.num_heads),
+        "mlp_ratio": ("model.mlp_ratio", cfg.mlp_ratio),
+        "patch_size": ("model.patch_size", cfg.patch_size),
+        "drop_rate": ("model.dropout", cfg.dropout),
+        "proj_drop_rate": ("model.dropout", cfg.dropout),
+        "attn_drop_rate": ("model.dropout", cfg.dropout),
+    }
+    kwargs = {k: v for k, (_, v) in fields.items() if v is not None}
+    _merge(kwargs, dict(cfg.overrides), {k: f for k, (f, _) in fields.items()})
+    try:
+        model = timm.create_model(cfg.name, pretrained=False, **kwargs)
+    except TypeError as err:
+        raise ValueError(
+            f"timm model {cfg.name!r} rejected the arguments {sorted(kwargs)}: {err}; use a "
+            "vit_* or deit_* model, or drop the unsupported model fields/overrides"
+        ) from None
+    if cfg.weights is not None:
+        load_timm_weights(model, cfg.weights)
+    return TimmViTAdapter(model, name=cfg.name)
+
+
+def _hf_type(cfg: ModelConfig) -> str:
+    name = cfg.name.lower().replace("_", "-")
+    if name not in HF_ENCODERS:
+        # Hub ids such as "bert-base-uncased" start with their type.
+        prefixed = sorted((t for t in HF_ENCODERS if name.startswith(t)), key=len, reverse=True)
+        close = prefixed[:1] or difflib.get_close_matches(name, list(HF_ENCODERS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"model.name={cfg.name!r} is not a supported Hugging Face encoder type; {hint}"
+            f"choose one of {', '.join(sorted(HF_ENCODERS))} (or set model.weights to a local "
+            "model directory)"
+        )
+    return name
+
+
+def _check_weights_dir(path: Path) -> None:
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(
+            f"model.weights={str(path)!r} is not a Hugging Face model directory; it must hold "
+            "config.json and the weights (model.safetensors or pytorch_model.bin), as written "
+            "by save_pretrained"
+        )
+
+
+def _build_hf(
+    cfg: ModelConfig,
+    num_classes: int | None,
+    task: str,
+    vocab_size: int | None,
+    seq_len: int | None,
+) -> HFEncoderAdapter:
+    from transformers import (
+        AutoConfig,
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+    )
+
+    if task == "question_answering" and num_classes not in (None, 2):
+        raise ValueError(
+            f"num_classes={num_classes} for task='question_answering'; the QA head always has "
+            "2 outputs (start, end), so pass None"
+        )
+    num_labels = 2 if task == "question_answering" else num_classes
+    overrides = dict(cfg.overrides)
+    attn = overrides.pop("attn_implementation", None)
+    model_kwargs = {"attn_implementation": attn} if attn else {}
+    auto = (
+        AutoModelForQuestionAnswering
+        if task == "question_answering"
+        else AutoModelForSequenceClassification
+    )
+    if cfg.weights is None:
+        model_type = _hf_type(cfg)
+        spec = HF_ENCODERS[model_type]
+        kwargs = _arch_kwargs(cfg, spec, AutoConfig.for_model(model_type))
+        if num_labels is not None:
+            kwargs["num_labels"] = num_labels
+        if vocab_size is not None:
+            kwargs["vocab_size"] = vocab_size
+        _merge(kwargs, overrides, _field_names(spec))
+        config = AutoConfig.for_model(model_type, **kwargs)
+        _fit_positions(config, spec, seq_len, grow=True)
+        model = auto.from_config(config, **model_kwargs)
+    else:
+        path = Path(cfg.weights)
+        _check_weights_dir(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model_type = config.model_type
+        if model_type not in HF_ENCODERS:
+            raise ValueError(
+                f"model.weights={str(path)!r} holds a {model_type!r} model, which has no "
+                f"adapter; supported types: {', '.join(sorted(HF_ENCODERS))}"
+            )
+        asked = cfg.name.lower().replace("_", "-")
+        if asked in HF_ENCODERS and asked != model_type:
+            raise ValueError(
+                f"model.name={cfg.name!r} but model.weights={str(path)!r} holds a "
+                f"{model_type!r} model; set model.name={model_type!r}"
+            )
+        spec = HF_ENCODERS[model_type]
+        kwargs = _pretrained_kwargs(cfg, spec, config)
+        if num_labels is not None:
+            kwargs["num_labels"] = num_labels
+        _merge(kwargs, overrides, _field_names(spec))
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        if vocab_size is not None and vocab_size > config.vocab_size:
+            raise ValueError(
+                f"vocab_size={vocab_size} exceeds the checkpoint's vocab_size={config.vocab_size} "
+                f"in {str(path)!r}; use the checkpoint's tokenizer"
+            )
+        _fit_positions(config, spec, seq_len, grow=False)
+        model = auto.from_pretrained(path, config=config, local_files_only=True, **model_kwargs)
+    return HFEncoderAdapter(model, task)  # type: ignore[arg-type]
+
+
+def _field_names(spec: HFEncoderSpec) -> dict[str, str]:
+    """Hugging Face config field -> the ``ModelConfig`` field that sets it."""
+    names = {
+        spec.depth: "model.depth",
+        spec.width: "model.width",
+        spec.num_heads: "model.num_heads",
+        spec.ffn: "model.mlp_ratio",
+        "num_labels": "num_classes",
+        "vocab_size": "vocab_size",
+    }
+    return names | dict.fromkeys(spec.dropouts, "model.dropout")
+
+
+def _arch_kwargs(cfg: ModelConfig, spec: HFEncoderSpec, defaults: Any) -> dict[str, Any]:
+    """Config fields for a model built from scratch."""
+    kwargs: dict[str, Any] = {}
+    if cfg.depth is not None:
+        kwargs[spec.depth] = cfg.depth
+    if cfg.width is not None:
+        kwargs[spec.width] = cfg.width
+    if cfg.num_heads is not None:
+        kwargs[spec.num_heads] = cfg.num_heads
+    if cfg.mlp_ratio is not None:
+        width = cfg.width if cfg.width is not None else getattr(defaults, spec.width)
+        kwargs[spec.ffn] = round(width * cfg.mlp_ratio)
+    if cfg.dropout is not None:
+        kwargs.update(dict.fromkeys(spec.dropouts, cfg.dropout))
+    return kwargs
+
+
+def _pretrained_kwargs(cfg: ModelConfig, spec: HFEncoderSpec, config: Any) -> dict[str, Any]:
+    """Config changes allowed on a checkpoint: fewer layers and other dropout; the shape fields
+    must match it."""
+    width = getattr(config, spec.width)
+    fixed = {
+        "model.width": (cfg.width, width),
+        "model.num_heads": (cfg.num_heads, getattr(config, spec.num_heads)),
+        "model.mlp_ratio": (cfg.mlp_ratio, getattr(config, spec.ffn) / width),
+    }
+    for field, (asked, actual) in fixed.items():
+        if asked is not None and abs(asked - actual) > 1e-9:
+            raise ValueError(
+                f"{field}={asked} differs from the checkpoint in {str(cfg.weights)!r} "
+                f"({actual:g}); leave {field} unset to use the checkpoint's"
+            )
+    kwargs: dict[str, Any] = {}
+    depth = getattr(config, spec.depth)
+    if cfg.depth is not None:
+        if cfg.depth > depth:
+            raise ValueError(
+                f"model.depth={cfg.depth} exceeds the checkpoint's {depth} layers in "
+                f"{str(cfg.weights)!r}; choose at most {depth} (the first layers are kept)"
+            )
+        kwargs[spec.depth] = cfg.depth
+    if cfg.dropout is not None:
+        kwargs.update(dict.fromkeys(spec.dropouts, cfg.dropout))
+    return kwargs
+
+
+def _fit_positions(config: Any, spec: HFEncoderSpec, seq_len: int | None, *, grow: bool) -> None:
+    """Make sure the position table covers ``seq_len`` tokens (RoBERTa's starts after padding)."""
+    if seq_len is None:
+        return
+    needed = seq_len + (config.pad_token_id + 1 if spec.padding_positions else 0)
+    if config.max_position_embeddings >= needed:
+        return
+    if not grow:
+        raise ValueError(
+            f"seq_len={seq_len} needs {needed} positions but the checkpoint has "
+            f"max_position_embeddings={config.max_position_embeddings}; choose "
+            f"data.seq_len <= {seq_len - needed + config.max_position_embeddings}"
+        )
+    config.max_position_embeddings = needed

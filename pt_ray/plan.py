@@ -1,0 +1,347 @@
+"""AutoPipe + AutoDP planning: from N devices, ``num_frozen`` and per-layer costs to a ``Plan``.
+
+Pure module. The planner decides; the runtime executes. Given the frozen-prefix length it
+
+1. lists the candidate pipeline lengths K: divisors of N, no larger than the current K (K only
+   shrinks) nor than the number of active blocks;
+2. partitions the active blocks over each candidate K with the exact min-max partitioner, stage 0
+   also carrying the embedding and the frozen prefix's forward, the last stage the head;
+3. keeps the candidates whose largest stage fits the memory budget (default: the largest stage
+   of the initial plan, as the paper does) and, by the paper's rule, takes the shortest pipeline
+   among them (the paper halves K while the halved pipeline still fits);
+4. sets R = N / K and the micro-batch count M for that K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from pt_ray.partition import Partition, partition
+
+__all__ = ["CostTable", "LayerCost", "Plan", "Planner", "divisors"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Measured (or estimated) cost of one layer for one micro-batch of ``CostTable.samples``.
+
+    Attributes:
+        forward_s: forward time in seconds.
+        backward_s: backward time in seconds (input and weight gradients).
+        activation_bytes: bytes of the layer's output, per sample.
+        param_bytes: bytes of the layer's parameters.
+    """
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: float
+    param_bytes: float
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-layer costs of a model: embed, each block, head.
+
+    Attributes:
+        embed: the embedding (patch/token embedding, position embedding).
+        blocks: the L transformer blocks, in order.
+        head: final norm, pooling, classifier and the loss.
+        samples: micro-batch size the times were measured at.
+    """
+
+    embed: LayerCost
+    blocks: tuple[LayerCost, ...]
+    head: LayerCost
+    samples: int = 1
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    @classmethod
+    def from_param_counts(
+        cls, embed: float, blocks: Sequence[float], head: float, backward_ratio: float = 2.0
+    ) -> CostTable:
+        """A fallback table from parameter counts: time proportional to parameters.
+
+        Args:
+            embed: embedding parameters; blocks: per-block parameters; head: head parameters.
+            backward_ratio: backward time as a multiple of forward time.
+        """
+
+        def cost(p: float) -> LayerCost:
+            return LayerCost(p, backward_ratio * p, 0.0, p)
+
+        return cls(cost(embed), tuple(cost(b) for b in blocks), cost(head))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout of the run. Every rank holds the same Plan and switches at the same step.
+
+    Ranks are laid out pipeline-major: replica ``r`` uses the contiguous ranks
+    ``r*K .. r*K + K - 1``, one per stage, so a pipeline stays on neighbouring devices.
+
+    Attributes:
+        generation: sequence number; increases by one at each transition.
+        num_layers: L.
+        num_frozen: n, the frozen prefix (embedding + blocks ``0..n-1``).
+        pipeline_length: K, stages per replica.
+        num_replicas: R, data-parallel replicas (K * R = N).
+        boundaries: ``K + 1`` block indices; stage ``k`` trains blocks
+            ``[boundaries[k], boundaries[k+1])``; ``boundaries[0] == num_frozen`` and
+            ``boundaries[-1] == L``. Stage 0 also runs the embedding and the frozen prefix; the
+            last stage runs the head.
+        num_microbatches: M, micro-batches per replica per step.
+        schedule: ``gpipe`` or ``1f1b``.
+        cache: whether the frozen prefix's activations come from the cache.
+        stage_loads: predicted per-stage time per step, in the cost table's unit.
+    """
+
+    generation: int
+    num_layers: int
+    num_frozen: int
+    pipeline_length: int
+    num_replicas: int
+    boundaries: tuple[int, ...]
+    num_microbatches: int
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    cache: bool = False
+    stage_loads: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        k = self.pipeline_length
+        b = self.boundaries
+        if len(b) != k + 1 or b[0] != self.num_frozen or b[-1] != self.num_layers:
+            raise ValueError(f"boundaries {b} do not describe {k} stages over blocks "
+                             f"[{self.num_frozen}, {self.num_layers})")
+        if any(lo > hi for lo, hi in zip(b, b[1:])) or (k > 1 and any(lo == hi for lo, hi in zip(b, b[1:]))):
+            raise ValueError(f"boundaries {b} must increase, with every stage holding a block")
+
+    @property
+    def num_workers(self) -> int:
+        """N = K * R."""
+        return self.pipeline_length * self.num_replicas
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(replica, stage)`` of a rank."""
+        return divmod(rank, self.pipeline_length)
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        """The rank that runs ``stage`` of ``replica``."""
+        return replica * self.pipeline_length + stage
+
+    def stage_blocks(self, stage: int) -> range:
+        """Active blocks trained by ``stage``."""
+        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+    def stage_layers(self, stage: int) -> list[str]:
+        """Every layer name a stage holds, frozen ones included, in pipeline order."""
+        names: list[str] = []
+        if stage == 0:
+            names.append("embed")
+            names.extend(f"block.{i}" for i in range(self.num_frozen))
+        names.extend(f"block.{i}" for i in self.stage_blocks(stage))
+        if stage == self.pipeline_length - 1:
+            names.append("head")
+        return names
+
+    def describe(self) -> str:
+        """One line: ``g2: frozen 4/12, K 2 [4-7|8-11], R 2, M 8, 1f1b, cache off``."""
+        stages = "|".join(
+            f"{lo}-{hi - 1}" if hi > lo else "-" for lo, hi in zip(self.boundaries, self.boundaries[1:])
+        )
+        return (
+            f"g{self.generation}: frozen {self.num_frozen}/{self.num_layers}, "
+            f"K {self.pipeline_length} [{stages}], R {self.num_replicas}, "
+            f"M {self.num_microbatches}, {self.schedule}, cache {'on' if self.cache else 'off'}"
+        )
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Planner:
+    """Chooses Plans by the paper's rule over an exact partition of measured costs.
+
+    Args:
+        num_workers: N, devices in use.
+        costs: per-layer costs (profiled at start; parameter counts only as a fallback).
+        batch_size: ``data.batch_size``.
+        batch_policy: ``fixed_global`` (each replica takes B / R) or ``per_replica`` (each takes B).
+        schedule: pipeline schedule for every plan.
+        initial_pipeline_length: K at the start; None: N (one pipeline over all devices).
+        num_microbatches: force M for every K > 1; None: chosen per K.
+        memory_budget: most bytes one stage may hold; None: the largest stage of the initial plan.
+        frozen_weight: a frozen layer's time as a fraction of its forward time (1: it runs its
+            forward; 0: ignored, which is what the 2021 code did in effect).
+        optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
+            gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        costs: CostTable,
+        *,
+        batch_size: int,
+        batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global",
+        schedule: Literal["gpipe", "1f1b"] = "1f1b",
+        initial_pipeline_length: int | None = None,
+        num_microbatches: int | None = None,
+        memory_budget: float | None = None,
+        frozen_weight: float = 1.0,
+        optimizer_state_factor: float = 4.0,
+    ) -> None:
+        k0 = num_workers if initial_pipeline_length is None else initial_pipeline_length
+        if num_workers % k0:
+            raise ValueError(
+                f"pipeline_length={k0} does not divide num_workers={num_workers}; "
+                f"choose one of {divisors(num_workers)}"
+            )
+        if k0 > max(1, costs.num_layers):
+            raise ValueError(
+                f"pipeline_length={k0} exceeds the model's {costs.num_layers} blocks; every "
+                f"stage needs a block, so choose one of "
+                f"{[d for d in divisors(num_workers) if d <= costs.num_layers]}"
+            )
+        self.num_workers = num_workers
+        self.costs = costs
+        self.batch_size = batch_size
+        self.batch_policy = batch_policy
+        self.schedule = schedule
+        self.initial_pipeline_length = k0
+        self.forced_microbatches = num_microbatches
+        self.frozen_weight = frozen_weight
+        self.optimizer_state_factor = optimizer_state_factor
+        self.memory_budget = (
+            memory_budget
+            if memory_budget is not None
+            else max(self.stage_memory(self._partition(0, k0), 0, k0))
+        )
+
+    # -- costs ---------------------------------------------------------------------------------
+
+    def replica_batch(self, num_replicas: int) -> int:
+        """Samples one replica processes per step."""
+        if self.batch_policy == "fixed_global":
+            return self.batch_size // num_replicas
+        return self.batch_size
+
+    def _time(self, c: LayerCost, frozen: bool) -> float:
+        return c.forward_s * self.frozen_weight if frozen else c.forward_s + c.backward_s
+
+    def _partition(self, num_frozen: int, k: int) -> Partition:
+        c = self.costs
+        prefix = self._time(c.embed, num_frozen > 0) + sum(
+            self._time(b, True) for b in c.blocks[:num_frozen]
+        )
+        active = [self._time(b, False) for b in c.blocks[num_frozen:]]
+        return partition(active, k, first_extra=prefix, last_extra=self._time(c.head, False))
+
+    def _layer_memory(self, c: LayerCost, frozen: bool, samples: int) -> float:
+        if frozen:
+            return c.param_bytes * self.frozen_weight
+        return c.param_bytes * self.optimizer_state_factor + c.activation_bytes * samples
+
+    def stage_memory(self, part: Partition, num_frozen: int, k: int) -> list[float]:
+        """Predicted peak bytes per stage of a partition (parameters, optimizer state, stored
+        activations for backward)."""
+        c = self.costs
+        samples = self.replica_batch(self.num_workers // k)
+        if self.schedule == "1f1b" and k > 1:
+            # 1F1B keeps at most K micro-batches in flight on stage 0.
+            m = self.microbatches_for(k, self.num_workers // k)
+            samples = max(1, samples * min(m, k) // m)
+        mem = []
+        for s in range(k):
+            lo = num_frozen + part.boundaries[s]
+            hi = num_frozen + part.boundaries[s + 1]
+            total = sum(self._layer_memory(b, False, samples) for b in c.blocks[lo:hi])
+            if s == 0:
+                total += self._layer_memory(c.embed, num_frozen > 0, samples)
+                total += sum(self._layer_memory(b, True, samples) for b in c.blocks[:num_frozen])
+            if s == k - 1:
+                total += self._layer_memory(c.head, False, samples)
+            mem.append(total)
+        return mem
+
+    def microbatches_for(self, k: int, num_replicas: int) -> int:
+        """M for a pipeline of K stages: forced, or the largest divisor of the replica batch up
+        to 4K (bubble ``(K-1)/(M+K-1)`` at most about 20%); 1 without a pipeline."""
+        b = self.replica_batch(num_replicas)
+        if k == 1:
+            return 1
+        if self.forced_microbatches is not None:
+            return self.forced_microbatches
+        return max(d for d in divisors(b) if d <= 4 * k)
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    def _make(self, generation: int, num_frozen: int, k: int, part: Partition) -> Plan:
+        r = self.num_workers // k
+        return Plan(
+            generation=generation,
+            num_layers=self.costs.num_layers,
+            num_frozen=num_frozen,
+            pipeline_length=k,
+            num_replicas=r,
+            boundaries=tuple(num_frozen + b for b in part.boundaries),
+            num_microbatches=self.microbatches_for(k, r),
+            schedule=self.schedule,
+            stage_loads=part.loads,
+        )
+
+    def initial_plan(self) -> Plan:
+        """Generation 0: nothing frozen, the initial pipeline length."""
+        k = self.initial_pipeline_length
+        return self._make(0, 0, k, self._partition(0, k))
+
+    def pipeline_length_for(self, num_frozen: int, current: int) -> int:
+        """The paper's rule: the shortest pipeline (a divisor of N, at most ``current``) whose
+        largest stage fits the memory budget; ``current`` (capped by the active blocks) if none
+        does."""
+        active = self.costs.num_layers - num_frozen
+        candidates = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
+        for k in candidates:
+            part = self._partition(num_frozen, k)
+            if max(self.stage_memory(part, num_frozen, k)) <= self.memory_budget * (1 + 1e-9):
+                return k
+        return candidates[-1]
+
+    def next_plan(self, prev: Plan, num_frozen: int) -> Plan:
+        """The plan after the frozen prefix grows to ``num_frozen`` (the same plan, same
+        generation, when nothing changes)."""
+        if num_frozen < prev.num_frozen:
+            raise ValueError(
+                f"num_frozen may only grow: {prev.num_frozen} -> {num_frozen} requested"
+            )
+        if num_frozen == prev.num_frozen:
+            return prev
+        k = self.pipeline_length_for(num_frozen, prev.pipeline_length)
+        return self._make(prev.generation + 1, num_frozen, k, self._partition(num_frozen, k))
+
+    def replan(self, prev: Plan, num_workers: int) -> Plan:
+        """A plan for a different device count (a restart with a new N), keeping ``num_frozen``."""
+        planner = Planner(
+            num_workers,
+            self.costs,
+            batch_size=self.batch_size,
+            batch_policy=self.batch_policy,
+            schedule=self.schedule,
+            initial_pipeline_length=max(
+                d for d in divisors(num_workers) if d <= max(1, self.costs.num_layers)
+            ),
+            num_microbatches=self.forced_microbatches,
+            memory_budget=self.memory_budget,
+            frozen_weight=self.frozen_weight,
+            optimizer_state_factor=self.optimizer_state_factor,
+        )
+        k = planner.pipeline_length_for(prev.num_frozen, planner.initial_pipeline_length)
+        plan = planner._make(prev.generation + 1, prev.num_frozen, k,
+                             planner._partition(prev.num_frozen, k))
+        return replace(plan, cache=prev.cache)

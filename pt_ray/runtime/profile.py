@@ -1,0 +1,115 @@
+"""Per-layer cost profiler: forward and backward time, activation and parameter bytes.
+
+AutoPipe balances stages on measured costs (the 2021 code used parameter counts). Each layer is
+timed on its own, on the current device, with the real input it sees in the model: the embedding
+on the batch, block ``i`` on block ``i-1``'s output, the head (with the loss) on the last block's
+output. Backward is timed as one ``autograd.grad`` call for the layer's input and parameter
+gradients. The median of a few repetitions after a warm-up is kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from pt_ray.data.base import Batch
+from pt_ray.models.base import ModelAdapter, State
+from pt_ray.plan import CostTable, LayerCost
+
+__all__ = ["profile_costs"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bytes(state: State | torch.Tensor) -> int:
+    tensors = state if isinstance(state, tuple) else (state,)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _time_layer(
+    fn: Callable[[], State | torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    params: list[torch.nn.Parameter],
+    device: torch.device,
+    repeats: int,
+    to_scalar: Callable[[State | torch.Tensor], torch.Tensor],
+) -> tuple[float, float, State | torch.Tensor]:
+    fwd, bwd = [], []
+    out: State | torch.Tensor = ()
+    wrt = [t for t in inputs if t.requires_grad] + params
+    for rep in range(repeats + 1):  # the first repetition warms up and is discarded
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        t1 = time.perf_counter()
+        scalar = to_scalar(out)
+        if wrt and scalar.requires_grad:
+            torch.autograd.grad(scalar, wrt, allow_unused=True)
+        _sync(device)
+        t2 = time.perf_counter()
+        if rep:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd), out
+
+
+def _detach(state: State) -> State:
+    return tuple(
+        t.detach().requires_grad_(t.is_floating_point() and i == 0) for i, t in enumerate(state)
+    )
+
+
+def _sum_first(out: State | torch.Tensor) -> torch.Tensor:
+    first = out[0] if isinstance(out, tuple) else out
+    return first.float().sum()
+
+
+def profile_costs(adapter: ModelAdapter, batch: Batch, repeats: int = 3) -> CostTable:
+    """Measure every layer's costs on one micro-batch.
+
+    The model is left in the mode it was in; gradients it held are left alone (``autograd.grad``
+    does not touch ``.grad``).
+
+    Args:
+        adapter: the model, cut into layers.
+        batch: one micro-batch on the model's device (its size is ``CostTable.samples``).
+        repeats: timed repetitions per layer (median kept), after one warm-up.
+
+    Returns:
+        A :class:`CostTable` whose times are seconds per micro-batch of ``len(batch)`` samples.
+    """
+    device = batch.target.device
+    n = len(batch)
+    embed_params = [p for p in adapter.embed.parameters() if p.requires_grad]
+    f, b, state = _time_layer(
+        lambda: adapter.embed(*batch.inputs), batch.inputs, embed_params, device, repeats,
+        _sum_first,
+    )
+    embed = LayerCost(f, b, _bytes(state) / n, _param_bytes(adapter.embed))
+    blocks = []
+    for block in adapter.blocks:
+        inp = _detach(state)
+        params = [p for p in block.parameters() if p.requires_grad]
+        f, b, state = _time_layer(
+            lambda blk=block, x=inp: blk(*x), inp, params, device, repeats, _sum_first
+        )
+        blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block)))
+    inp = _detach(state)
+    params = [p for p in adapter.head.parameters() if p.requires_grad]
+    f, b, out = _time_layer(
+        lambda: adapter.head(*inp), inp, params, device, repeats,
+        lambda o: adapter.loss(o, batch.target),
+    )
+    head = LayerCost(f, b, _bytes(out) / n, _param_bytes(adapter.head))
+    return CostTable(embed, tuple(blocks), head, samples=n)

@@ -1,0 +1,260 @@
+"""The single-process reference trainer: the numerical oracle for the distributed engine.
+
+One process, no Ray, no process groups. It trains any adapter with a freeze policy exactly as
+DESIGN.md specifies, so that a pipeline x data-parallel run on the same data order must end
+with the same parameters:
+
+1. at each decision point (epoch start, or every k steps) the policy sees the per-block gradient
+   norms gathered since the last decision and returns ``num_frozen``;
+2. newly frozen layers get ``requires_grad=False``, run in eval mode under ``no_grad`` and leave
+   the optimizer with their state, while every other layer's optimizer state is untouched;
+3. each step takes the global sampler's indices, sets the learning rate from the run's progress
+   in samples, runs forward/backward, clips the global norm of the active gradients and steps;
+4. after each epoch the whole eval set is scored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pt_ray.config import RunConfig
+from pt_ray.data.base import Batch, DatasetSplits, set_epoch
+from pt_ray.data.loader import iterate_batches
+from pt_ray.data.registry import build_dataset
+from pt_ray.data.sampler import GlobalSampler
+from pt_ray.freeze import FreezePolicy, build_freeze_policy
+from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers, layer_module
+from pt_ray.models.registry import build_adapter
+from pt_ray.runtime.optim import (
+    build_optimizer,
+    layer_param_groups,
+    lr_factor,
+    remove_layers,
+    set_lr,
+)
+from pt_ray.summary import EpochRecord
+
+__all__ = ["GradNormMeter", "ReferenceTrainer", "build_model_for", "evaluate"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_model_for(cfg: RunConfig, splits: DatasetSplits) -> ModelAdapter:
+    """Build the configured model sized for the dataset (classes, image size, vocabulary)."""
+    return build_adapter(
+        cfg.model,
+        num_classes=splits.num_classes,
+        task=splits.task,
+        image_size=splits.image_size,
+        in_chans=splits.in_chans,
+        vocab_size=splits.vocab_size,
+        seq_len=splits.seq_len,
+        seed=cfg.seed,
+    )
+
+
+@dataclass
+class GradNormMeter:
+    """Mean per-block gradient L2 norm over the steps since the last reset."""
+
+    sums: dict[int, float] = field(default_factory=dict)
+    steps: int = 0
+
+    def add(self, norms: dict[int, float]) -> None:
+        for block, value in norms.items():
+            self.sums[block] = self.sums.get(block, 0.0) + value
+        self.steps += 1
+
+    def mean(self) -> dict[int, float]:
+        return {b: s / self.steps for b, s in self.sums.items()} if self.steps else {}
+
+    def reset(self) -> None:
+        self.sums.clear()
+        self.steps = 0
+
+
+def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, float]:
+    """L2 norm of each listed block's current gradient (blocks without gradients skipped)."""
+    out = {}
+    for i in blocks:
+        grads = [p.grad for p in adapter.blocks[i].parameters() if p.grad is not None]
+        if grads:
+            out[i] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    return out
+
+
+@torch.no_grad()
+def evaluate(
+    adapter: ModelAdapter, splits: DatasetSplits, batch_size: int, num_workers: int = 0
+) -> float:
+    """The eval metric over the whole eval set (every sample once), in eval mode."""
+    was_training = adapter.model.training
+    adapter.model.eval()
+    n = len(splits.eval)
+    steps = [np.arange(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    correct = 0
+    for batch in iterate_batches(splits.eval, steps, num_workers):
+        state = adapter.embed(*batch.inputs)
+        for block in adapter.blocks:
+            state = block(*state)
+        correct += int(adapter.correct(adapter.head(*state), batch.target).sum())
+    adapter.model.train(was_training)
+    return correct / max(n, 1)
+
+
+class ReferenceTrainer:
+    """Train one model in one process with AutoFreeze.
+
+    Args:
+        cfg: the run configuration.
+        splits: datasets (default: built from ``cfg.data``).
+        adapter: the model (default: built from ``cfg.model`` for ``splits``).
+        policy: the freeze policy (default: from ``cfg.freeze``, L from the model).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        splits: DatasetSplits | None = None,
+        adapter: ModelAdapter | None = None,
+        policy: FreezePolicy | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.splits = splits or build_dataset(cfg.data, seed=cfg.seed)
+        self.adapter = adapter or build_model_for(cfg, self.splits)
+        L = self.adapter.num_layers
+        self.policy = policy or build_freeze_policy(
+            cfg.freeze.policy,
+            num_layers=L,
+            alpha=cfg.freeze.alpha,
+            max_frozen=cfg.freeze.max_frozen,
+            warmup=cfg.freeze.warmup_epochs,
+        )
+        self.sampler = GlobalSampler(len(self.splits.train), cfg.data.batch_size, cfg.seed)
+        self.optimizer = build_optimizer(
+            cfg.optimizer,
+            layer_param_groups(iter_layers(self.adapter), cfg.optimizer.weight_decay),
+        )
+        self.num_frozen = 0
+        self.global_step = 0
+        self.norms = GradNormMeter()
+        self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
+        self._set_modes()
+
+    # -- freezing ------------------------------------------------------------------------------
+
+    def _set_modes(self) -> None:
+        self.adapter.model.train()
+        for name in frozen_layer_names(self.num_frozen):
+            layer_module(self.adapter, name).eval()
+
+    def freeze_to(self, num_frozen: int) -> None:
+        """Grow the frozen prefix: no gradients, eval mode, out of the optimizer."""
+        if num_frozen <= self.num_frozen:
+            return
+        new = [n for n in frozen_layer_names(num_frozen) if n not in
+               frozen_layer_names(self.num_frozen)]
+        for name in new:
+            for p in layer_module(self.adapter, name).parameters():
+                p.requires_grad_(False)
+                p.grad = None
+        remove_layers(self.optimizer, new)
+        self.num_frozen = num_frozen
+        self._set_modes()
+
+    def decide(self, decision: int) -> float:
+        """Run the freeze policy at a decision point; returns the transition's wall time."""
+        t0 = time.perf_counter()
+        before = self.num_frozen
+        result = self.policy.decide(decision, self.num_frozen, self.norms.mean())
+        self.norms.reset()
+        if result.num_frozen != before:
+            self.freeze_to(result.num_frozen)
+            logger.info(
+                "decision %d: frozen %d -> %d of %d blocks (%s)",
+                decision, before, self.num_frozen, self.adapter.num_layers, result.reason,
+            )
+        return time.perf_counter() - t0
+
+    # -- training ------------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> float:
+        """One optimizer step on a global batch; returns the loss."""
+        a = self.adapter
+        n = self.num_frozen
+        set_lr(self.optimizer, self.cfg.optimizer.lr * lr_factor(
+            self.global_step * self.cfg.data.batch_size / self.total_samples, self.cfg.optimizer
+        ))
+        if n > 0:
+            with torch.no_grad():
+                state = a.embed(*batch.inputs)
+                for block in a.blocks[:n]:
+                    state = block(*state)
+        else:
+            state = a.embed(*batch.inputs)
+        for block in a.blocks[n:]:
+            state = block(*state)
+        loss = a.loss(a.head(*state), batch.target)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.norms.add(block_grad_norms(a, range(n, a.num_layers)))
+        if self.cfg.optimizer.grad_clip is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip)
+        self.optimizer.step()
+        self.global_step += 1
+        return float(loss.detach())
+
+    def train_epoch(self, epoch: int) -> EpochRecord:
+        """Train one epoch (with its decision points) and evaluate."""
+        cfg = self.cfg
+        transition = 0.0
+        if cfg.freeze.interval == "epoch":
+            transition += self.decide(epoch)
+        set_epoch(self.splits.train, epoch)
+        steps = [self.sampler.step_indices(epoch, s) for s in range(self.sampler.steps_per_epoch)]
+        losses = []
+        t0 = time.perf_counter()
+        for batch in iterate_batches(self.splits.train, steps, cfg.data.num_workers):
+            if cfg.freeze.interval == "steps" and self.global_step % cfg.freeze.interval_steps == 0:
+                transition += self.decide(self.global_step // cfg.freeze.interval_steps)
+            losses.append(self.train_step(batch))
+        train_time = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        metric = evaluate(
+            self.adapter, self.splits, cfg.data.eval_batch_size or cfg.data.batch_size,
+            cfg.data.num_workers,
+        )
+        samples = len(steps) * cfg.data.batch_size
+        return EpochRecord(
+            epoch=epoch,
+            num_frozen=self.num_frozen,
+            num_layers=self.adapter.num_layers,
+            pipeline_length=1,
+            num_replicas=1,
+            num_microbatches=1,
+            throughput_samples_per_s=samples / max(train_time, 1e-9),
+            epoch_time_s=train_time,
+            transition_time_s=transition,
+            cache_hit_rate=0.0,
+            train_loss=float(np.mean(losses)) if losses else float("nan"),
+            eval_metric=metric,
+            eval_time_s=time.perf_counter() - t1,
+        )
+
+    def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None) -> list[EpochRecord]:
+        """Train for ``cfg.epochs`` epochs; returns the timeline."""
+        timeline = []
+        for epoch in range(self.cfg.epochs):
+            rec = self.train_epoch(epoch)
+            timeline.append(rec)
+            if on_epoch is not None:
+                on_epoch(rec)
+        return timeline

@@ -1,0 +1,108 @@
+"""The run timeline and ``summary.json``: the contract benchmarks and reports read.
+
+Pure module. ``summary.json`` holds ``wall_time_s``, ``epochs``, ``metric_name``,
+``final_eval_metric``, ``timeline`` (one :class:`EpochRecord` per epoch) and ``config`` (the
+resolved RunConfig).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EpochRecord", "format_epoch", "ideal_speedup", "read_summary", "write_summary"]
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One epoch of a run.
+
+    Attributes:
+        epoch: 0-based epoch index.
+        num_frozen: frozen blocks during the epoch (at its end, if it changed mid-epoch).
+        num_layers: L.
+        pipeline_length: K.
+        num_replicas: R.
+        num_microbatches: M.
+        throughput_samples_per_s: training samples per second of training time.
+        epoch_time_s: wall time of the epoch's training steps (evaluation excluded).
+        transition_time_s: wall time spent in transitions during the epoch.
+        cache_hit_rate: fraction of frozen-prefix outputs served by the cache (0 when off).
+        train_loss: mean training loss over the epoch's steps.
+        eval_metric: the eval metric after the epoch (accuracy for classification).
+        eval_time_s: wall time of the evaluation.
+    """
+
+    epoch: int
+    num_frozen: int
+    num_layers: int
+    pipeline_length: int
+    num_replicas: int
+    num_microbatches: int
+    throughput_samples_per_s: float
+    epoch_time_s: float
+    transition_time_s: float
+    cache_hit_rate: float
+    train_loss: float
+    eval_metric: float
+    eval_time_s: float = 0.0
+
+
+def format_epoch(rec: EpochRecord, epochs: int, metric_name: str) -> str:
+    """One line a person can follow: epoch, loss, metric, frozen blocks, K, R, throughput."""
+    return (
+        f"epoch {rec.epoch + 1:>3}/{epochs}  loss {rec.train_loss:.4f}  "
+        f"{metric_name} {rec.eval_metric:.4f}  frozen {rec.num_frozen:>2}/{rec.num_layers}  "
+        f"K {rec.pipeline_length} R {rec.num_replicas} M {rec.num_microbatches}  "
+        f"{rec.throughput_samples_per_s:,.0f} samples/s  ({rec.epoch_time_s:.2f} s)"
+    )
+
+
+def ideal_speedup(timeline: list[EpochRecord] | list[dict], cached: bool = False) -> float:
+    """DESIGN.md's ideal bound for a freeze timeline against no freezing.
+
+    Per sample an active block costs forward + backward (taken as 1 + 2 = 3 units) and a frozen
+    one its forward (1 unit), or nothing when the cache serves it. The bound is the ratio of the
+    no-freeze cost to this run's cost, summed over epochs.
+    """
+    base = run = 0.0
+    for rec in timeline:
+        r = rec if isinstance(rec, dict) else asdict(rec)
+        n, total = r["num_frozen"], r["num_layers"]
+        base += 3.0 * total
+        run += 3.0 * (total - n) + (0.0 if cached else 1.0 * n)
+    return base / run if run else float("inf")
+
+
+def write_summary(
+    path: Path,
+    *,
+    wall_time_s: float,
+    metric_name: str,
+    timeline: list[EpochRecord],
+    config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``summary.json`` and return what was written."""
+    summary = {
+        "wall_time_s": wall_time_s,
+        "epochs": len(timeline),
+        "metric_name": metric_name,
+        "final_eval_metric": timeline[-1].eval_metric if timeline else None,
+        "timeline": [asdict(r) for r in timeline],
+        "config": config,
+        **(extra or {}),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """Read a ``summary.json`` (or the one inside a run folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "summary.json"
+    return json.loads(path.read_text())

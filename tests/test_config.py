@@ -1,0 +1,69 @@
+"""RunConfig: defaults, YAML + overrides, and errors that name the field, value and fix."""
+
+import pytest
+
+from pt_ray.config import ConfigError, RunConfig, build_config, load_config
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_validate_and_round_trip_through_yaml(tmp_path):
+    cfg = RunConfig()
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+
+
+def test_yaml_then_overrides_in_order(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 3\nfreeze:\n  alpha: 0.5\npipeline:\n  num_workers: 4\n")
+    cfg = load_config(path, ["freeze.alpha=0.25", "pipeline.pipeline_length=2",
+                             "model.weights=null", "freeze.policy=none", "optimizer.grad_clip=null"])
+    assert cfg.epochs == 3
+    assert cfg.freeze.alpha == 0.25
+    assert cfg.pipeline.pipeline_length == 2
+    assert cfg.optimizer.grad_clip is None
+    assert cfg.freeze.policy == "none" and cfg.model.weights is None
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("freeze.alpha=1.5", r"freeze\.alpha=1\.5: Input should be less than or equal to 1"),
+        ("freeze.alfa=0.3", r"freeze\.alfa: unknown field; did you mean freeze\.alpha\?"),
+        ("epoch=3", r"epoch: unknown field; did you mean epochs\?"),
+        ("pipeline.pipeline_length=3",
+         r"pipeline_length=3 does not divide pipeline\.num_workers=2; choose one of \[1, 2\]"),
+        ("freeze.policy=greedy", r"freeze\.policy='greedy': Input should be 'paper', 'schedule'"),
+        ("data.batch_size=7", r"data\.batch_size=7 is not divisible by pipeline\.num_workers=2"),
+        ("data.name=cifar10", r"set data\.path"),
+        ("model.width=64", None),
+        ("freeze", r"not key=value"),
+    ],
+)
+def test_bad_values_name_field_value_and_fix(override, message):
+    if message is None:
+        assert load_config(None, [override]).model.width == 64
+        return
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_width_heads_rule():
+    with pytest.raises(ConfigError, match="model.width=64 is not divisible by model.num_heads=5"):
+        build_config({"model": {"width": 64, "num_heads": 5}})
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+
+
+def test_config_is_frozen():
+    cfg = RunConfig()
+    with pytest.raises(Exception):
+        cfg.epochs = 3  # type: ignore[misc]

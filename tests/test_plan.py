@@ -1,0 +1,110 @@
+"""The planner: the paper's K table for ViT-B/16, plan invariants, memory budget and M."""
+
+import pytest
+
+from pt_ray.plan import CostTable, LayerCost, Plan, Planner
+
+pytestmark = pytest.mark.unit
+
+VIT_B16_C100 = CostTable.from_param_counts(0.743, [7.088] * 12, 0.077)
+
+
+def paper_planner(n=8):
+    # The 2021 code: parameter counts as costs, frozen layers weighing zero.
+    return Planner(n, VIT_B16_C100, batch_size=64, frozen_weight=0.0, optimizer_state_factor=1.0)
+
+
+def test_paper_rule_reproduces_vit_b16_pipeline_lengths():
+    planner = paper_planner()
+    expected = {**dict.fromkeys(range(0, 5), 8), **dict.fromkeys(range(5, 9), 4),
+                9: 2, 10: 2, 11: 1, 12: 1}
+    plan = planner.initial_plan()
+    assert plan.pipeline_length == 8
+    got = {0: 8}
+    for n in range(1, 13):
+        plan = planner.next_plan(plan, n)
+        got[n] = plan.pipeline_length
+    assert got == expected
+
+
+def test_plans_are_consistent_and_generations_count_changes():
+    planner = paper_planner()
+    plan = planner.initial_plan()
+    assert plan.generation == 0 and plan.boundaries[0] == 0 and plan.boundaries[-1] == 12
+    same = planner.next_plan(plan, 0)
+    assert same is plan
+    for n in (3, 6, 9, 11):
+        nxt = planner.next_plan(plan, n)
+        assert nxt.generation == plan.generation + 1
+        assert nxt.num_workers == 8
+        assert nxt.pipeline_length <= plan.pipeline_length
+        assert nxt.boundaries[0] == n and nxt.boundaries[-1] == 12
+        assert sum(len(nxt.stage_blocks(s)) for s in range(nxt.pipeline_length)) == 12 - n
+        plan = nxt
+    with pytest.raises(ValueError, match="only grow"):
+        planner.next_plan(plan, 5)
+
+
+def test_stage_layers_and_rank_layout():
+    plan = Plan(generation=1, num_layers=6, num_frozen=2, pipeline_length=2, num_replicas=2,
+                boundaries=(2, 4, 6), num_microbatches=4)
+    assert plan.stage_layers(0) == ["embed", "block.0", "block.1", "block.2", "block.3"]
+    assert plan.stage_layers(1) == ["block.4", "block.5", "head"]
+    assert [plan.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert plan.rank_of(1, 0) == 2
+    assert "K 2 [2-3|4-5], R 2" in plan.describe()
+
+
+def test_invalid_plan_rejected():
+    with pytest.raises(ValueError):
+        Plan(generation=0, num_layers=4, num_frozen=1, pipeline_length=2, num_replicas=1,
+             boundaries=(0, 2, 4), num_microbatches=2)
+
+
+def test_measured_frozen_cost_counts_on_stage_zero():
+    # Frozen blocks cost their forward (1 of 3 units) on stage 0: with 6 frozen blocks the
+    # prefix weighs 6 and stage 0 gets fewer active blocks than an even split.
+    costs = CostTable.from_param_counts(0.0, [1.0] * 12, 0.0)
+    planner = Planner(2, costs, batch_size=8)
+    plan = planner.next_plan(planner.initial_plan(), 6)
+    # Even without a budget change the shrink to K=1 is impossible (more memory per stage),
+    # so K stays 2 with the prefix's forward balanced against active blocks.
+    assert plan.pipeline_length == 2
+    assert plan.boundaries == (6, 8, 12)
+    assert plan.stage_loads == (12.0, 12.0)
+
+
+def test_memory_budget_controls_shrinking():
+    costs = CostTable(
+        embed=LayerCost(1, 2, 0, 10),
+        blocks=tuple(LayerCost(1, 2, 0, 100) for _ in range(4)),
+        head=LayerCost(1, 2, 0, 10),
+    )
+    tight = Planner(4, costs, batch_size=8, optimizer_state_factor=1.0)
+    roomy = Planner(4, costs, batch_size=8, optimizer_state_factor=1.0, memory_budget=1e9)
+    plan = tight.initial_plan()
+    assert tight.next_plan(plan, 2).pipeline_length == 2
+    assert roomy.next_plan(roomy.initial_plan(), 1).pipeline_length == 1
+
+
+def test_microbatches_divide_replica_batch():
+    planner = Planner(4, VIT_B16_C100, batch_size=48)
+    for k, r in ((4, 1), (2, 2), (1, 4)):
+        m = planner.microbatches_for(k, r)
+        assert (48 // r) % m == 0
+        assert m == 1 if k == 1 else 1 < m <= 4 * k
+    forced = Planner(4, VIT_B16_C100, batch_size=48, num_microbatches=3)
+    assert forced.microbatches_for(2, 2) == 3
+
+
+def test_bad_initial_pipeline_length():
+    with pytest.raises(ValueError, match="does not divide num_workers=8"):
+        Planner(8, VIT_B16_C100, batch_size=8, initial_pipeline_length=3)
+
+
+def test_replan_for_fewer_workers_keeps_frozen_prefix():
+    planner = paper_planner()
+    plan = planner.next_plan(planner.initial_plan(), 5)
+    smaller = planner.replan(plan, 4)
+    assert smaller.num_workers == 4 and smaller.num_frozen == 5
+    assert smaller.generation == plan.generation + 1
