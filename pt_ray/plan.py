@@ -20,7 +20,18 @@ from typing import Literal
 
 from pt_ray.partition import Partition, partition
 
-__all__ = ["CostTable", "LayerCost", "Plan", "Planner", "divisors"]
+__all__ = [
+    "CostTable",
+    "LayerCost",
+    "Plan",
+    "Planner",
+    "Transfer",
+    "divisors",
+    "holders",
+    "is_trainable",
+    "stage_of",
+    "transfers",
+]
 
 
 @dataclass(frozen=True)
@@ -345,3 +356,71 @@ class Planner:
         plan = planner._make(prev.generation + 1, prev.num_frozen, k,
                              planner._partition(prev.num_frozen, k))
         return replace(plan, cache=prev.cache)
+
+
+# -- ownership and migration (pure: which rank holds what, and what must move) --------------------
+
+
+def is_trainable(plan: Plan, layer: str) -> bool:
+    """Whether ``layer`` (``embed``, ``block.i``, ``head``) trains under ``plan``."""
+    if layer == "head":
+        return True
+    if layer == "embed":
+        return plan.num_frozen == 0
+    return int(layer.split(".", 1)[1]) >= plan.num_frozen
+
+
+def stage_of(plan: Plan, layer: str) -> int:
+    """The stage that holds ``layer`` (the frozen prefix lives on stage 0)."""
+    if layer == "embed":
+        return 0
+    if layer == "head":
+        return plan.pipeline_length - 1
+    block = int(layer.split(".", 1)[1])
+    if block < plan.num_frozen:
+        return 0
+    for s in range(plan.pipeline_length):
+        if block in plan.stage_blocks(s):
+            return s
+    raise ValueError(f"{layer} is outside the plan's {plan.num_layers} blocks")
+
+
+def holders(plan: Plan, layer: str) -> list[int]:
+    """Ranks holding ``layer`` under ``plan`` (one per replica, replica 0 first)."""
+    s = stage_of(plan, layer)
+    return [plan.rank_of(r, s) for r in range(plan.num_replicas)]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One layer copied from the rank that holds its latest state to a rank that needs it.
+
+    Attributes:
+        layer: layer name.
+        src: sending rank (replica 0's holder under the old plan).
+        dst: receiving rank.
+        with_state: whether optimizer state travels too (the layer still trains).
+    """
+
+    layer: str
+    src: int
+    dst: int
+    with_state: bool
+
+
+def transfers(old: Plan, new: Plan) -> list[Transfer]:
+    """What a transition from ``old`` to ``new`` must move, in one order every rank agrees on.
+
+    Replicas of a layer are identical after each step's data-parallel reduction, so replica 0's
+    copy is the source; ranks that already held the layer keep their copy.
+    """
+    if old.num_workers != new.num_workers or old.num_layers != new.num_layers:
+        raise ValueError(f"cannot migrate {old.describe()} -> {new.describe()} in place")
+    names = ["embed", *(f"block.{i}" for i in range(new.num_layers)), "head"]
+    out = []
+    for layer in names:
+        before = holders(old, layer)
+        for dst in holders(new, layer):
+            if dst not in before:
+                out.append(Transfer(layer, before[0], dst, is_trainable(new, layer)))
+    return out

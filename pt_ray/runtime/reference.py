@@ -28,7 +28,8 @@ from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import GlobalSampler
-from pt_ray.freeze import FreezePolicy, build_freeze_policy
+from pt_ray.control import policy_for
+from pt_ray.freeze import FreezePolicy
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers, layer_module
 from pt_ray.models.registry import build_adapter
 from pt_ray.runtime.optim import (
@@ -93,18 +94,30 @@ def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, float]:
 def evaluate(
     adapter: ModelAdapter, splits: DatasetSplits, batch_size: int, num_workers: int = 0
 ) -> float:
-    """The eval metric over the whole eval set (every sample once), in eval mode."""
-    was_training = adapter.model.training
-    adapter.model.eval()
+    """The eval metric over the whole eval set (every sample once), in eval mode.
+
+    Every module's own mode is restored afterwards: ``model.train()`` would also switch a
+    frozen prefix (kept in eval mode) back to training mode, turning its dropout on.
+    """
+    modules = {
+        m: m.training
+        for root in (adapter.model, adapter.embed, adapter.blocks, adapter.head)
+        for m in root.modules()
+    }
+    for m in modules:
+        m.training = False
     n = len(splits.eval)
     steps = [np.arange(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     correct = 0
-    for batch in iterate_batches(splits.eval, steps, num_workers):
-        state = adapter.embed(*batch.inputs)
-        for block in adapter.blocks:
-            state = block(*state)
-        correct += int(adapter.correct(adapter.head(*state), batch.target).sum())
-    adapter.model.train(was_training)
+    try:
+        for batch in iterate_batches(splits.eval, steps, num_workers):
+            state = adapter.embed(*batch.inputs)
+            for block in adapter.blocks:
+                state = block(*state)
+            correct += int(adapter.correct(adapter.head(*state), batch.target).sum())
+    finally:
+        for m, mode in modules.items():
+            m.training = mode
     return correct / max(n, 1)
 
 
@@ -129,15 +142,9 @@ class ReferenceTrainer:
         self.cfg = cfg
         self.splits = splits or build_dataset(cfg.data, seed=cfg.seed)
         self.adapter = adapter or build_model_for(cfg, self.splits)
-        L = self.adapter.num_layers
-        self.policy = policy or build_freeze_policy(
-            cfg.freeze.policy,
-            num_layers=L,
-            alpha=cfg.freeze.alpha,
-            max_frozen=cfg.freeze.max_frozen,
-            warmup=cfg.freeze.warmup_epochs,
-        )
         self.sampler = GlobalSampler(len(self.splits.train), cfg.data.batch_size, cfg.seed)
+        self.policy = policy or policy_for(cfg, self.adapter.num_layers,
+                                           self.sampler.steps_per_epoch)
         self.optimizer = build_optimizer(
             cfg.optimizer,
             layer_param_groups(iter_layers(self.adapter), cfg.optimizer.weight_decay),

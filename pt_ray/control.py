@@ -1,0 +1,234 @@
+"""The controller's state machine: cost profiles and gradient norms in, one Plan per decision out.
+
+Pure module. The Ray controller actor wraps it (adding blocking waits and a name); tests and the
+process-group-only engine use it directly. Decisions are numbered: decision ``d`` is taken at the
+start of epoch ``d`` (or of the ``d``-th block of ``interval_steps`` steps) from the gradient norms
+that every rank gathered during interval ``d - 1``; every rank asks for decision ``d``'s plan and
+gets the same one, so all switch at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from statistics import median
+from typing import Any
+
+from pt_ray.config import RunConfig
+from pt_ray.freeze import FreezePolicy, build_freeze_policy
+from pt_ray.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.summary import EpochRecord
+
+__all__ = [
+    "ControlState",
+    "build_control_state",
+    "merge_costs",
+    "policy_for",
+    "transition_line",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def merge_costs(tables: list[CostTable]) -> CostTable:
+    """One table from every rank's profile: the median of each time and the largest byte count
+    (the ranks profile the same layers on like devices; the median drops a rank that was
+    disturbed while it measured)."""
+
+    def merge(costs: list[LayerCost]) -> LayerCost:
+        return LayerCost(
+            median(c.forward_s for c in costs),
+            median(c.backward_s for c in costs),
+            max(c.activation_bytes for c in costs),
+            max(c.param_bytes for c in costs),
+        )
+
+    first = tables[0]
+    return CostTable(
+        merge([t.embed for t in tables]),
+        tuple(merge([t.blocks[i] for t in tables]) for i in range(first.num_layers)),
+        merge([t.head for t in tables]),
+        samples=first.samples,
+    )
+
+
+def transition_line(label: str, old: Plan, new: Plan) -> str:
+    """``epoch 3: frozen 4 -> 7 of 12 blocks; K 4 -> 2, R 1 -> 2, M 8``."""
+    return (
+        f"{label}: frozen {old.num_frozen} -> {new.num_frozen} of {new.num_layers} blocks; "
+        f"K {old.pipeline_length} -> {new.pipeline_length}, "
+        f"R {old.num_replicas} -> {new.num_replicas}, M {new.num_microbatches}"
+    )
+
+
+class ControlState:
+    """Decides freezes and plans for one run.
+
+    Args:
+        num_workers: N, the ranks that submit costs and norms.
+        policy: the freeze policy (L from the model).
+        make_planner: builds the planner once the merged cost table is known.
+        decision_label: how log lines name a decision point (``"epoch"`` or ``"interval"``).
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        policy: FreezePolicy,
+        make_planner: Callable[[CostTable], Planner],
+        decision_label: str = "epoch",
+    ) -> None:
+        self.num_workers = num_workers
+        self.policy = policy
+        self.make_planner = make_planner
+        self.decision_label = decision_label
+        self.planner: Planner | None = None
+        self.costs: CostTable | None = None
+        self.plans: dict[int, Plan] = {}
+        self.timeline: list[EpochRecord] = []
+        self.decisions: list[dict[str, Any]] = []
+        self._cost_tables: dict[int, CostTable] = {}
+        self._norms: dict[int, dict[int, dict[int, float]]] = {}
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def submit_costs(self, rank: int, costs: CostTable) -> None:
+        """A rank's profile. Once all N are in, the planner and decision 0's plan exist."""
+        if self.planner is not None:
+            return  # a restarted worker re-profiling; the plan is already fixed
+        self._cost_tables[rank] = costs
+        if len(self._cost_tables) == self.num_workers:
+            self.costs = merge_costs([self._cost_tables[r] for r in sorted(self._cost_tables)])
+            self.planner = self.make_planner(self.costs)
+            plan = self.planner.initial_plan()
+            first = self.policy.decide(0, 0, None).num_frozen
+            if first:
+                plan = self.planner.next_plan(plan, first)
+            self.plans[0] = plan
+            logger.info("initial plan %s", plan.describe())
+
+    def submit_norms(self, decision: int, rank: int, norms: Mapping[int, float]) -> None:
+        """The per-block gradient norms a rank gathered during interval ``decision`` (only the
+        blocks it trains; replicas send equal values). Once all N are in, decision
+        ``decision + 1`` is taken."""
+        if decision + 1 in self.plans:
+            return  # already decided (a restarted worker resubmitting)
+        got = self._norms.setdefault(decision, {})
+        got[rank] = {int(k): float(v) for k, v in norms.items()}
+        if len(got) == self.num_workers:
+            merged: dict[int, float] = {}
+            for r in sorted(got):
+                for block, value in got[r].items():
+                    merged.setdefault(block, value)
+            del self._norms[decision]
+            self._decide(decision + 1, merged)
+
+    def record(self, rec: EpochRecord) -> None:
+        """Append (or replace, after a restart) one epoch of the timeline."""
+        self.timeline = [r for r in self.timeline if r.epoch != rec.epoch] + [rec]
+        self.timeline.sort(key=lambda r: r.epoch)
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def plan_for(self, decision: int) -> Plan | None:
+        """The plan in force from decision point ``decision`` on, or None if not yet decided."""
+        return self.plans.get(decision)
+
+    def _decide(self, decision: int, norms: dict[int, float]) -> None:
+        assert self.planner is not None, "norms arrived before costs"
+        prev = self.plans[decision - 1]
+        result = self.policy.decide(decision, prev.num_frozen, norms)
+        plan = self.planner.next_plan(prev, result.num_frozen)
+        self.plans[decision] = plan
+        self.decisions.append(
+            {"decision": decision, "num_frozen": plan.num_frozen, "bound": result.bound,
+             "reason": result.reason, "generation": plan.generation}
+        )
+        if plan is not prev:
+            logger.info("%s (%s)", transition_line(f"{self.decision_label} {decision}", prev,
+                                                   plan), result.reason)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume decisions exactly."""
+        policy_state = getattr(self.policy, "state_dict", None)
+        return {
+            "costs": asdict(self.costs) if self.costs else None,
+            "plans": {d: asdict(p) for d, p in self.plans.items()},
+            "timeline": [asdict(r) for r in self.timeline],
+            "decisions": list(self.decisions),
+            "policy": policy_state() if policy_state else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the planner is rebuilt from the saved costs)."""
+        if state["costs"] is not None:
+            c = state["costs"]
+            self.costs = CostTable(
+                LayerCost(**c["embed"]),
+                tuple(LayerCost(**b) for b in c["blocks"]),
+                LayerCost(**c["head"]),
+                samples=c["samples"],
+            )
+            self.planner = self.make_planner(self.costs)
+        self.plans = {
+            int(d): Plan(**{**p, "boundaries": tuple(p["boundaries"]),
+                            "stage_loads": tuple(p["stage_loads"])})
+            for d, p in state["plans"].items()
+        }
+        self.timeline = [EpochRecord(**r) for r in state["timeline"]]
+        self.decisions = list(state["decisions"])
+        if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
+            self.policy.load_state_dict(state["policy"])
+
+
+def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int) -> FreezePolicy:
+    """The run's freeze policy. The warm-up is given in epochs; with ``interval=steps`` it is
+    converted to decision points (``ceil(warmup_epochs * steps_per_epoch / interval_steps)``)."""
+    f = cfg.freeze
+    warmup = f.warmup_epochs
+    if f.interval == "steps":
+        warmup = -(-f.warmup_epochs * steps_per_epoch // f.interval_steps)
+    return build_freeze_policy(
+        f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=f.max_frozen, warmup=warmup
+    )
+
+
+def build_control_state(
+    cfg: RunConfig, num_layers: int, num_workers: int, steps_per_epoch: int
+) -> ControlState:
+    """The controller's state for a run: its freeze policy and planner from the config.
+
+    Args:
+        cfg: the run configuration.
+        num_layers: L, from the built model.
+        num_workers: N, the workers actually running (may differ from the config after an
+            elastic restart).
+        steps_per_epoch: optimizer steps per epoch at the configured batch size.
+    """
+    policy = policy_for(cfg, num_layers, steps_per_epoch)
+    p = cfg.pipeline
+    k0 = p.pipeline_length if isinstance(p.pipeline_length, int) else None
+    if k0 is not None and num_workers % k0:
+        k0 = None  # the configured K does not fit the workers Ray gave us: start at K = N
+    largest = max(d for d in range(1, num_workers + 1)
+                  if num_workers % d == 0 and d <= max(num_layers, 1))
+
+    def make_planner(costs: CostTable) -> Planner:
+        return Planner(
+            num_workers,
+            costs,
+            batch_size=cfg.data.batch_size,
+            batch_policy=cfg.batch_policy,
+            schedule=p.schedule,
+            initial_pipeline_length=k0 if k0 is not None else largest,
+            num_microbatches=p.num_microbatches if isinstance(p.num_microbatches, int) else None,
+            memory_budget=(
+                p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
+            ),
+        )
+
+    label = "epoch" if cfg.freeze.interval == "epoch" else "interval"
+    return ControlState(num_workers, policy, make_planner, decision_label=label)

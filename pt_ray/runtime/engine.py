@@ -1,0 +1,357 @@
+"""The elastic worker: one rank's pipeline x data-parallel training loop with live re-planning.
+
+Every rank runs the same loop in lockstep over the WORLD process group (from Ray Train, or a
+plain ``init_process_group``). At each decision point it asks the controller for the plan in
+force; when the plan's generation changes, it migrates state, rebuilds its process groups, its
+stage and its schedule, and goes on at the same step as every other rank.
+
+One step (DESIGN.md, "How one run flows"):
+
+1. the global sampler gives the step's indices; replica ``r`` of ``R`` takes its contiguous
+   slice (``B / R`` samples under ``fixed_global``);
+2. stage 0 runs the frozen prefix (``no_grad``, eval mode) and its active blocks; the schedule
+   (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
+   and the loss; K = 1 runs without a pipeline;
+3. gradients of trained parameters are averaged over the stage's data-parallel group (frozen ones
+   never are); per-block gradient norms are recorded; the global norm is clipped across stages;
+4. the optimizer (one group per owned layer) steps with the learning rate of the run's progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pt_ray.config import RunConfig
+from pt_ray.control import ControlState
+from pt_ray.data.base import DatasetSplits, gather, set_epoch
+from pt_ray.data.sampler import GlobalSampler, eval_shards, split_for_replica
+from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
+from pt_ray.plan import CostTable, Plan, is_trainable
+from pt_ray.runtime.migrate import migrate
+from pt_ray.runtime.optim import build_optimizer, layer_param_groups, lr_factor, set_lr
+from pt_ray.runtime.profile import profile_costs
+from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
+from pt_ray.runtime.stages import StageModule, build_schedule
+from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm, recv_tensors, send_tensors
+from pt_ray.runtime.topology import Topology
+from pt_ray.summary import EpochRecord
+
+__all__ = ["Controller", "ElasticWorker", "LocalController"]
+
+logger = logging.getLogger(__name__)
+
+
+class Controller(Protocol):
+    """What a worker needs from the controller (the Ray actor, or :class:`LocalController`)."""
+
+    def submit_costs(self, rank: int, costs: CostTable) -> None: ...
+
+    def plan_for(self, decision: int) -> Plan:
+        """The plan from decision ``decision`` on; blocks until it is decided."""
+        ...
+
+    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None: ...
+
+    def record(self, rec: EpochRecord) -> None: ...
+
+
+class LocalController:
+    """A controller without Ray: every rank keeps an identical :class:`ControlState` and feeds it
+    the same inputs, exchanged with ``all_gather_object`` over WORLD."""
+
+    def __init__(self, state: ControlState) -> None:
+        self.state = state
+
+    def submit_costs(self, rank: int, costs: CostTable) -> None:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, costs)
+        for r, c in enumerate(gathered):
+            self.state.submit_costs(r, c)
+
+    def plan_for(self, decision: int) -> Plan:
+        plan = self.state.plan_for(decision)
+        if plan is None:
+            raise RuntimeError(f"decision {decision} asked before its inputs were submitted")
+        return plan
+
+    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, norms)
+        for r, n in enumerate(gathered):
+            self.state.submit_norms(decision, r, n)
+
+    def record(self, rec: EpochRecord) -> None:
+        self.state.record(rec)
+
+
+class ElasticWorker:
+    """One rank of a pt-ray run.
+
+    Args:
+        cfg: the run configuration.
+        adapter: the model, built from the same seed on every rank.
+        splits: the datasets (every rank reads the samples it needs by index).
+        controller: where costs and norms go and plans come from.
+        device: this rank's device (default: CPU).
+        costs: a fixed cost table (skips profiling; for tests and forced layouts).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        adapter: ModelAdapter,
+        splits: DatasetSplits,
+        controller: Controller,
+        device: torch.device | None = None,
+        costs: CostTable | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.adapter = adapter
+        self.splits = splits
+        self.controller = controller
+        self.device = device or torch.device("cpu")
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.modules = dict(iter_layers(adapter))
+        self.fixed_costs = costs
+        self.sampler = GlobalSampler(len(splits.train), cfg.data.batch_size, cfg.seed)
+        self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
+        self.plan: Plan | None = None
+        self.topo: Topology | None = None
+        self.stage: StageModule | None = None
+        self.schedule = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.global_step = 0
+        self.samples_seen = 0
+        self.norms = GradNormMeter()
+        adapter.model.to(self.device)
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Profile (or take the fixed costs), submit them, and enter decision 0's plan."""
+        costs = self.fixed_costs
+        if costs is None:
+            n = max(1, self.cfg.data.batch_size // self.world)
+            batch = gather(self.splits.train, list(range(min(n, len(self.splits.train)))))
+            batch = _to(batch, self.device)
+            costs = profile_costs(self.adapter, batch)
+        self.controller.submit_costs(self.rank, costs)
+        self.apply_plan(self.controller.plan_for(0))
+
+    def apply_plan(self, plan: Plan) -> float:
+        """Enter ``plan`` (migrating state when it replaces another); returns the wall time."""
+        if self.plan is not None and plan.generation == self.plan.generation:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.plan is None:
+            states = {}
+        else:
+            states = migrate(self.modules, self.optimizer, self.plan, plan, self.rank)
+            self.topo.destroy()
+        for name in frozen_layer_names(plan.num_frozen):
+            for p in self.modules[name].parameters():
+                p.requires_grad_(False)
+                p.grad = None
+        self.topo = Topology.build(plan)
+        stage = self.topo.stage
+        self.stage = StageModule(self.adapter, plan, stage)
+        trained = [n for n in plan.stage_layers(stage) if is_trainable(plan, n)]
+        self.optimizer = build_optimizer(
+            self.cfg.optimizer,
+            layer_param_groups([(n, self.modules[n]) for n in trained],
+                               self.cfg.optimizer.weight_decay),
+        )
+        for name in trained:
+            for p, s in zip(self.modules[name].parameters(), states.get(name, ())):
+                if s:
+                    self.optimizer.state[p] = s
+        self.schedule = (
+            build_schedule(self.stage, plan, stage, self.topo.pipeline_group, self.device,
+                           self.adapter.loss)
+            if plan.pipeline_length > 1 else None
+        )
+        old, self.plan = self.plan, plan
+        self._set_modes()
+        elapsed = time.perf_counter() - t0
+        if old is not None and self.rank == 0:
+            logger.info("rank 0 entered %s in %.3f s", plan.describe(), elapsed)
+        return elapsed
+
+    def _set_modes(self) -> None:
+        self.adapter.model.train()
+        for name in frozen_layer_names(self.plan.num_frozen):
+            self.modules[name].eval()
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _replicas_batch(self) -> int:
+        b = self.cfg.data.batch_size
+        return b if self.cfg.batch_policy == "fixed_global" else b * self.plan.num_replicas
+
+    def train_step(self, indices: np.ndarray) -> float:
+        """One optimizer step on the global batch ``indices``; returns this rank's share of the
+        replica-mean loss (non-zero on last stages only)."""
+        plan, topo, cfg = self.plan, self.topo, self.cfg
+        r = plan.num_replicas
+        mine = split_for_replica(indices, topo.replica, r)
+        scale = r if cfg.batch_policy == "per_replica" and cfg.optimizer.scale_lr_with_replicas else 1
+        progress = self.samples_seen / self.total_samples
+        set_lr(self.optimizer, cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer))
+        self.optimizer.zero_grad(set_to_none=True)
+        first, last = topo.is_first_stage, topo.is_last_stage
+        batch = _to(gather(self.splits.train, mine.tolist()), self.device) if first or last else None
+        loss = 0.0
+        if self.schedule is None:
+            out = self.stage(*batch.inputs)
+            value = self.adapter.loss(out, batch.target)
+            value.backward()
+            loss = float(value.detach())
+        elif first:
+            self.schedule.step(*batch.inputs)
+        elif last:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(target=batch.target, losses=losses)
+            loss = float(torch.stack([l.detach() for l in losses]).mean())
+        else:
+            self.schedule.step()
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        all_reduce_grads(params, topo.dp_group, r)
+        blocks = range(plan.boundaries[topo.stage], plan.boundaries[topo.stage + 1])
+        self.norms.add(block_grad_norms(self.adapter, blocks))
+        clip_grad_norm(params, cfg.optimizer.grad_clip, topo.pipeline_group)
+        self.optimizer.step()
+        self.global_step += 1
+        self.samples_seen += len(indices)
+        return loss / r if last else 0.0
+
+    def _decision_point(self, decision: int) -> float:
+        """Submit the norms of interval ``decision - 1`` and enter decision ``decision``'s plan."""
+        if decision > 0:
+            self.controller.submit_norms(decision - 1, self.rank, self.norms.mean())
+            self.norms.reset()
+        return self.apply_plan(self.controller.plan_for(decision))
+
+    def train_epoch(self, epoch: int) -> EpochRecord:
+        """Train one epoch (entering the plans of its decision points) and evaluate."""
+        cfg = self.cfg
+        by_steps = cfg.freeze.interval == "steps"
+        transition = 0.0 if by_steps else self._decision_point(epoch)
+        set_epoch(self.splits.train, epoch)
+        order = self.sampler.epoch_order(epoch)
+        offset, steps, loss_sum = 0, 0, 0.0
+        t0 = time.perf_counter()
+        while offset + self._replicas_batch() <= len(order):
+            if by_steps and self.global_step % cfg.freeze.interval_steps == 0:
+                transition += self._decision_point(self.global_step // cfg.freeze.interval_steps)
+            size = self._replicas_batch()  # a decision may have changed R
+            if offset + size > len(order):
+                break
+            loss_sum += self.train_step(order[offset:offset + size])
+            offset += size
+            steps += 1
+        epoch_time = time.perf_counter() - t0
+        metric, eval_time = self.evaluate()
+        totals = torch.tensor([loss_sum, 0.0])
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        times = torch.tensor([epoch_time, transition])
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        rec = EpochRecord(
+            epoch=epoch,
+            num_frozen=self.plan.num_frozen,
+            num_layers=self.plan.num_layers,
+            pipeline_length=self.plan.pipeline_length,
+            num_replicas=self.plan.num_replicas,
+            num_microbatches=self.plan.num_microbatches,
+            throughput_samples_per_s=offset / max(float(times[0]), 1e-9),
+            epoch_time_s=float(times[0]),
+            transition_time_s=float(times[1]),
+            cache_hit_rate=0.0,
+            train_loss=float(totals[0]) / max(steps, 1),
+            eval_metric=metric,
+            eval_time_s=eval_time,
+        )
+        if not by_steps:
+            # Interval `epoch` ends here; its norms feed the next epoch's decision.
+            self.controller.submit_norms(epoch, self.rank, self.norms.mean())
+            self.norms.reset()
+        if self.rank == 0:
+            self.controller.record(rec)
+        return rec
+
+    def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None) -> list[EpochRecord]:
+        """Start, then train every epoch; returns the timeline (identical on every rank)."""
+        if self.plan is None:
+            self.start()
+        timeline = []
+        for epoch in range(self.cfg.epochs):
+            rec = self.train_epoch(epoch)
+            timeline.append(rec)
+            if on_epoch is not None:
+                on_epoch(rec)
+        return timeline
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """The eval metric over the whole eval set, split across replicas and pipelined through
+        each replica's stages; returns ``(metric, seconds)``."""
+        t0 = time.perf_counter()
+        plan, topo = self.plan, self.topo
+        n = len(self.splits.eval)
+        size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
+        self.adapter.model.eval()
+        correct = 0
+        prev = topo.pipeline_ranks[topo.stage - 1] if not topo.is_first_stage else None
+        nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
+        for idx in eval_shards(n, size, topo.replica, plan.num_replicas):
+            if topo.is_first_stage:
+                out = self.stage(*_to(gather(self.splits.eval, idx.tolist()), self.device).inputs)
+            else:
+                out = self.stage(*recv_tensors(prev, self.device))
+            if nxt is not None:
+                send_tensors(out, nxt)
+            else:
+                target = gather(self.splits.eval, idx.tolist()).target.to(self.device)
+                correct += int(self.adapter.correct(out, target).sum())
+        self._set_modes()
+        total = torch.tensor([float(correct)])
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total) / max(n, 1), time.perf_counter() - t0
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def primary_layers(self) -> list[str]:
+        """Layers whose authoritative copy this rank holds (replica 0's holder)."""
+        replica, stage = self.plan.coords(self.rank)
+        return self.plan.stage_layers(stage) if replica == 0 else []
+
+    def layer_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Parameters of :meth:`primary_layers`, detached copies on the CPU."""
+        return {
+            name: {k: v.detach().cpu().clone() for k, v in self.modules[name].state_dict().items()}
+            for name in self.primary_layers()
+        }
+
+    def close(self) -> None:
+        """Destroy this rank's subgroups (the WORLD group stays with its owner)."""
+        if self.topo is not None:
+            self.topo.destroy()
+            self.topo = None
+
+
+def _to(batch, device: torch.device):
+    if device.type == "cpu":
+        return batch
+    from pt_ray.data.base import Batch
+
+    return Batch(batch.indices, tuple(t.to(device) for t in batch.inputs), batch.target.to(device))
