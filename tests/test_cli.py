@@ -1,0 +1,111 @@
+"""The ``pt-ray train`` command and the ``summary.json`` contract it writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from pt_ray.api import default_config_path
+from pt_ray.cli import main
+from pt_ray.config import load_config
+from pt_ray.summary import EpochRecord, ideal_speedup
+
+pytestmark = pytest.mark.unit
+
+TINY = [
+    "--set", "epochs=2",
+    "--set", "model.depth=2",
+    "--set", "model.width=32",
+    "--set", "model.num_heads=2",
+    "--set", "data.num_samples=128",
+    "--set", "freeze.policy=schedule",
+    "--set", "freeze.alpha=0.5",
+    "--set", "freeze.warmup_epochs=1",
+]
+SUMMARY_KEYS = {"wall_time_s", "epochs", "metric_name", "final_eval_metric", "timeline", "config"}
+RECORD_KEYS = {
+    "epoch", "num_frozen", "num_layers", "pipeline_length", "num_replicas", "num_microbatches",
+    "throughput_samples_per_s", "epoch_time_s", "transition_time_s", "cache_hit_rate",
+    "train_loss", "eval_metric",
+}
+
+
+def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "run"
+
+    assert main(["train", *TINY, "--output", str(out)]) == 0
+
+    # config.yaml is the resolved default job with the overrides, and round-trips.
+    cfg = load_config(out / "config.yaml")
+    assert cfg == load_config(default_config_path(), TINY[1::2])
+    assert cfg.name == "default" and cfg.data.name == "digits"  # the default job's fields
+    assert (cfg.epochs, cfg.model.depth, cfg.data.num_samples) == (2, 2, 128)
+
+    summary = json.loads((out / "summary.json").read_text())
+    # The contract keys, plus the engine that produced the run.
+    assert set(summary) == SUMMARY_KEYS | {"engine"}
+    assert summary["engine"] == "reference"
+    assert summary["epochs"] == 2 and summary["metric_name"] == "accuracy"
+    assert summary["wall_time_s"] > 0
+    assert summary["config"] == cfg.model_dump(mode="json")
+    timeline = summary["timeline"]
+    assert [r["epoch"] for r in timeline] == [0, 1]
+    for rec in timeline:
+        assert set(rec) == RECORD_KEYS | {"eval_time_s"}
+        assert rec["num_layers"] == 2
+        assert (rec["pipeline_length"], rec["num_replicas"], rec["num_microbatches"]) == (1, 1, 1)
+        assert 0.0 <= rec["eval_metric"] <= 1.0 and rec["throughput_samples_per_s"] > 0
+    # schedule n(1) = ceil(2 * 0.5) = 1 (cap L - 1 = 1): the overrides reached the trainer.
+    assert [r["num_frozen"] for r in timeline] == [0, 1]
+    assert summary["final_eval_metric"] == timeline[-1]["eval_metric"]
+
+    epoch_lines = [m for m in caplog.messages if m.startswith("epoch ")]
+    assert len(epoch_lines) == 2
+    assert epoch_lines[0].startswith("epoch   1/2  loss ")
+    assert "frozen  1/2" in epoch_lines[1]
+    stdout = capsys.readouterr().out
+    assert "final accuracy" in stdout and str(out / "summary.json") in stdout
+
+
+def test_bad_override_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+
+    code = main(["train", *TINY, "--set", "freeze.alpha=1.5", "--output", str(out)])
+
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "freeze.alpha=1.5" in err
+    assert "less than or equal to 1" in err
+    assert not out.exists()
+
+
+def test_unknown_field_suggests_the_close_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--set", "freeze.alpah=0.5", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "freeze.alpah" in err and "did you mean freeze.alpha" in err
+    assert not out.exists()
+
+
+def _record(epoch: int, num_frozen: int) -> EpochRecord:
+    return EpochRecord(
+        epoch=epoch, num_frozen=num_frozen, num_layers=4, pipeline_length=1, num_replicas=1,
+        num_microbatches=1, throughput_samples_per_s=1.0, epoch_time_s=1.0,
+        transition_time_s=0.0, cache_hit_rate=0.0, train_loss=1.0, eval_metric=0.5,
+    )
+
+
+def test_ideal_speedup_of_a_literal_timeline():
+    timeline = [_record(e, n) for e, n in enumerate([0, 2, 3, 3])]
+    # No freezing: 4 epochs x 4 blocks x 3 units = 48. This run: 12 + (6 + 2) + (3 + 3) + (3 + 3)
+    # = 32 without the cache, 12 + 6 + 3 + 3 = 24 with it.
+    assert ideal_speedup(timeline) == pytest.approx(48 / 32)
+    assert ideal_speedup(timeline, cached=True) == pytest.approx(2.0)
+    as_dicts = [
+        {"num_frozen": r.num_frozen, "num_layers": r.num_layers} for r in timeline
+    ]
+    assert ideal_speedup(as_dicts) == pytest.approx(1.5)
+    assert ideal_speedup([_record(0, 0)]) == 1.0

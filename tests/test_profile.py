@@ -1,0 +1,75 @@
+"""The per-layer cost profiler: one entry per block, real byte counts, and no side effects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pt_ray.config import ModelConfig
+from pt_ray.data import gather, synthetic_image
+from pt_ray.models import build_adapter
+from pt_ray.runtime.profile import profile_costs
+
+pytestmark = pytest.mark.unit
+
+DEPTH, WIDTH, IMAGE, PATCH, CLASSES, BATCH = 3, 32, 8, 4, 5, 6
+TOKENS = (IMAGE // PATCH) ** 2 + 1  # patches + the class token
+
+
+def _vit():
+    cfg = ModelConfig(
+        family="timm", name="vit_base_patch16_224", depth=DEPTH, width=WIDTH, num_heads=2,
+        mlp_ratio=2.0, patch_size=PATCH,
+    )
+    return build_adapter(cfg, num_classes=CLASSES, image_size=IMAGE, in_chans=3, seed=0)
+
+
+def _batch():
+    data = synthetic_image(16, 4, image_size=IMAGE, num_classes=CLASSES, seed=0)
+    return gather(data.train, list(range(BATCH)))
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_profile_measures_every_block_with_real_sizes():
+    adapter = _vit()
+    costs = profile_costs(adapter, _batch(), repeats=2)
+
+    assert costs.samples == BATCH
+    assert costs.num_layers == DEPTH == len(costs.blocks)
+    hidden_per_sample = TOKENS * WIDTH * 4  # fp32 [T, D]: B * T * D * 4 bytes over B samples
+    for block, cost in zip(adapter.blocks, costs.blocks, strict=True):
+        assert cost.forward_s > 0 and cost.backward_s > 0
+        assert cost.param_bytes == _nbytes(block)
+        assert cost.activation_bytes == hidden_per_sample
+    # A ViT block: 2 LayerNorms (2D each), qkv (3D^2 + 3D), proj (D^2 + D), MLP with ratio 2.
+    d = WIDTH
+    assert costs.blocks[0].param_bytes == 4 * (4 * d + 3 * d * d + 3 * d + d * d + d
+                                               + 2 * d * d + 2 * d + 2 * d * d + d)
+    assert costs.embed.activation_bytes == hidden_per_sample
+    assert costs.embed.param_bytes == _nbytes(adapter.embed) > 0
+    assert costs.head.activation_bytes == CLASSES * 4  # logits per sample
+    assert costs.head.param_bytes == _nbytes(adapter.head)
+    assert _nbytes(adapter.embed) + sum(c.param_bytes for c in costs.blocks) + \
+        costs.head.param_bytes == _nbytes(adapter.model)
+
+
+def test_profile_leaves_gradients_and_modes_alone():
+    adapter = _vit()
+    batch = _batch()
+    params = list(adapter.model.parameters())
+    assert all(p.grad is None for p in params)
+    profile_costs(adapter, batch, repeats=1)
+    assert all(p.grad is None for p in params)
+    assert adapter.model.training
+
+    # Existing gradients (mid-accumulation) are kept as they were, bit for bit.
+    loss = adapter.loss(adapter.model(batch.inputs[0]), batch.target)
+    loss.backward()
+    grads = [p.grad.clone() for p in params]
+    adapter.model.eval()
+    profile_costs(adapter, batch, repeats=1)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    assert not any(m.training for m in adapter.model.modules())

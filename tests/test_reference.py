@@ -1,0 +1,392 @@
+"""The single-process reference trainer: AutoFreeze invariants, the schedule, evaluation, and
+equivalence with a plain PyTorch loop."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pt_ray.config import RunConfig, build_config
+from pt_ray.data import DatasetSplits, GlobalSampler, TensorSampleDataset, synthetic_image
+from pt_ray.models import build_adapter, frozen_layer_names, layer_module
+from pt_ray.runtime.reference import ReferenceTrainer, evaluate
+
+pytestmark = pytest.mark.unit
+
+L = 4
+BATCH = 32
+SAMPLES = 256
+STEPS_PER_EPOCH = SAMPLES // BATCH  # 8
+
+
+def vit_config(**sections: Any) -> RunConfig:
+    """A tiny timm ViT on 8x8 synthetic images; ``sections`` replace or extend the defaults."""
+    base: dict[str, Any] = dict(
+        model=dict(
+            family="timm", name="vit_base_patch16_224", depth=L, width=32, num_heads=2,
+            mlp_ratio=2.0, patch_size=4,
+        ),
+        data=dict(name="synthetic_image", num_samples=SAMPLES, image_size=8, batch_size=BATCH),
+        freeze=dict(policy="schedule", alpha=0.5, warmup_epochs=1),
+        optimizer=dict(name="adamw", lr=1e-3, warmup_fraction=0.25),
+        epochs=4,
+    )
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return build_config(base)
+
+
+def _clone_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _optimizer_params(opt: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for g in opt.param_groups for p in g["params"]}
+
+
+def _active_layer_names(num_frozen: int) -> list[str]:
+    frozen = set(frozen_layer_names(num_frozen))
+    return [n for n in ["embed", *(f"block.{i}" for i in range(L)), "head"] if n not in frozen]
+
+
+# -- AutoFreeze invariants -------------------------------------------------------------------
+
+
+def test_schedule_freezing_keeps_frozen_layers_fixed_and_active_state_intact():
+    trainer = ReferenceTrainer(vit_config())
+    a, opt = trainer.adapter, trainer.optimizer
+    transitions: list[tuple[int, int]] = []
+    frozen_snapshots: dict[str, dict[str, torch.Tensor]] = {}
+    original_freeze_to = trainer.freeze_to
+
+    def checked_freeze_to(num_frozen: int) -> None:
+        before = trainer.num_frozen
+        head_before = _clone_params(a.head)
+        # Optimizer state of every layer that stays active: the state dict objects, the moment
+        # tensors and their values, and the step counts.
+        staying = [
+            p for name in _active_layer_names(num_frozen)
+            for p in layer_module(a, name).parameters()
+        ]
+        state_objs = {id(p): opt.state[p] for p in staying if p in opt.state}
+        state_vals = {
+            id(p): {k: (v, v.clone()) for k, v in opt.state[p].items()}
+            for p in staying if p in opt.state
+        }
+        original_freeze_to(num_frozen)
+        transitions.append((before, trainer.num_frozen))
+
+        _assert_same(head_before, _clone_params(a.head))  # the head is never re-initialised
+        assert len(state_objs) == len(staying)  # every active parameter had been stepped
+        for p in staying:
+            assert opt.state[p] is state_objs[id(p)]
+            for k, (tensor, value) in state_vals[id(p)].items():
+                assert opt.state[p][k] is tensor, k
+                assert torch.equal(opt.state[p][k], value), k
+            assert p.requires_grad
+        in_opt = _optimizer_params(opt)
+        assert {id(p) for p in staying} == in_opt
+        for name in frozen_layer_names(trainer.num_frozen):
+            for p in layer_module(a, name).parameters():
+                assert not p.requires_grad and p.grad is None
+                assert id(p) not in in_opt and p not in opt.state
+            frozen_snapshots.setdefault(name, _clone_params(layer_module(a, name)))
+
+    trainer.freeze_to = checked_freeze_to
+    last_block_before_final_epoch = None
+    timeline = []
+    for epoch in range(4):
+        if epoch == 3:
+            last_block_before_final_epoch = _clone_params(a.blocks[L - 1])
+        timeline.append(trainer.train_epoch(epoch))
+
+    # n(e) = ceil(L (1 - (1 - alpha)^e)) = 0, 2, 3, 4 -> capped at L - 1 = 3; never decreasing.
+    assert [r.num_frozen for r in timeline] == [0, 2, 3, 3]
+    assert transitions == [(0, 2), (2, 3)]
+    assert set(frozen_snapshots) == {"embed", "block.0", "block.1", "block.2"}
+    for name, snapshot in frozen_snapshots.items():
+        _assert_same(snapshot, _clone_params(layer_module(a, name)))
+    # The active block did train in the last epoch, so the check above is not vacuous.
+    after = _clone_params(a.blocks[L - 1])
+    assert any(not torch.equal(after[k], v) for k, v in last_block_before_final_epoch.items())
+    assert all(math.isfinite(r.train_loss) for r in timeline)
+
+
+def test_frozen_prefix_runs_in_eval_mode_without_grad_in_every_epoch():
+    # With dropout the mode matters; epoch 3 has no transition, so the modes must survive the
+    # previous epoch's evaluation (which switches the whole model to eval and back).
+    trainer = ReferenceTrainer(vit_config(model=dict(dropout=0.2)))
+    seen: list[tuple[int, bool, bool]] = []  # (block, dropout.training, grad enabled)
+    current_epoch = [0]
+    per_epoch: dict[int, list[tuple[int, bool, bool]]] = {}
+
+    for i, block in enumerate(trainer.adapter.model.blocks):
+        drops = [m for m in block.modules() if isinstance(m, nn.Dropout)]
+        assert drops, "the model must have dropout for this test to mean anything"
+
+        def hook(module, inputs, output, i=i, drops=drops):
+            seen.append((i, all(d.training for d in drops), torch.is_grad_enabled()))
+        block.register_forward_hook(hook)
+
+    original_step = trainer.train_step
+
+    def step(batch):
+        seen.clear()
+        loss = original_step(batch)
+        per_epoch.setdefault(current_epoch[0], []).append(
+            (trainer.num_frozen, list(seen))
+        )
+        return loss
+
+    trainer.train_step = step
+    for epoch in range(4):
+        current_epoch[0] = epoch
+        trainer.train_epoch(epoch)
+
+    expected_frozen = {0: 0, 1: 2, 2: 3, 3: 3}
+    for epoch, steps in per_epoch.items():
+        assert len(steps) == STEPS_PER_EPOCH
+        for num_frozen, calls in steps:
+            assert num_frozen == expected_frozen[epoch]
+            assert [c[0] for c in calls] == list(range(L))
+            for block, training, grad in calls:
+                active = block >= num_frozen
+                assert training == active, (epoch, block)
+                assert grad == active, (epoch, block)
+    # After training the frozen prefix is still in eval mode, the active layers in train mode.
+    assert not trainer.adapter.embed.training
+    assert [b.training for b in trainer.adapter.model.blocks] == [False, False, False, True]
+
+
+# -- learning-rate schedule -------------------------------------------------------------------
+
+
+def test_learning_rate_follows_global_progress_across_epochs_and_freezes():
+    cfg = vit_config(epochs=3, optimizer=dict(warmup_fraction=0.25, min_lr_ratio=0.0))
+    trainer = ReferenceTrainer(cfg)
+    lrs: list[list[float]] = []
+    original_step = trainer.optimizer.step
+
+    def step(*args, **kwargs):
+        lrs.append([g["lr"] for g in trainer.optimizer.param_groups])
+        return original_step(*args, **kwargs)
+
+    trainer.optimizer.step = step
+    trainer.fit()
+
+    total = 3 * STEPS_PER_EPOCH  # 24 steps; warm-up over the first 6
+    assert len(lrs) == total
+    for group_lrs in lrs:
+        assert len(set(group_lrs)) == 1  # one schedule for every group
+    lr = [g[0] for g in lrs]
+    for s in range(total):
+        progress = s / total
+        if progress < 0.25:
+            factor = progress / 0.25
+        else:
+            factor = 0.5 * (1 + math.cos(math.pi * (progress - 0.25) / 0.75))
+        assert lr[s] == pytest.approx(1e-3 * factor, rel=1e-12, abs=1e-15), s
+    assert lr[3] == pytest.approx(0.5e-3)  # half-way through warm-up
+    assert lr[6] == pytest.approx(1e-3)  # peak
+    assert lr[15] == pytest.approx(0.5e-3)  # half-way through the cosine
+    # Epochs 1 and 2 continue the decay instead of restarting the warm-up.
+    assert lr[8] < lr[7] and lr[16] < lr[15]
+    assert lr[8] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 9)))
+
+
+# -- evaluation -------------------------------------------------------------------------------
+
+
+class _RecordingDataset(TensorSampleDataset):
+    def __init__(self, base: TensorSampleDataset) -> None:
+        super().__init__(base.inputs, base.target, base.input_names)
+        self.requested: list[int] = []
+
+    def batch(self, indices):
+        self.requested.extend(int(i) for i in indices)
+        return super().batch(indices)
+
+
+def test_evaluate_scores_every_eval_sample_exactly_once():
+    base = synthetic_image(64, 50, image_size=8, num_classes=5, seed=3)
+    eval_set = _RecordingDataset(base.eval)
+    splits = DatasetSplits(
+        name="recorded", task="classification", train=base.train, eval=eval_set,
+        num_classes=5, image_size=8, in_chans=3,
+    )
+    cfg = vit_config(model=dict(dropout=0.3))
+    adapter = build_adapter(
+        cfg.model, num_classes=5, image_size=8, in_chans=3, seed=cfg.seed
+    )
+    # Train mode before; evaluate must score in eval mode (dropout off) and restore it.
+    adapter.model.train()
+
+    metric = evaluate(adapter, splits, batch_size=16)  # 50 = 16 + 16 + 16 + 2
+
+    assert sorted(eval_set.requested) == list(range(50))
+    adapter.model.eval()
+    with torch.no_grad():
+        logits = adapter.model(eval_set.inputs[0])  # the whole model, one full batch
+    expected = int((logits.argmax(-1) == eval_set.target).sum()) / 50
+    assert metric == expected
+    assert 0.0 < metric < 1.0  # a partial score, so a dropped or doubled batch would show
+    adapter.model.train()
+    assert evaluate(adapter, splits, batch_size=50) == metric
+    assert all(m.training for m in adapter.model.modules())
+    # A frozen prefix kept in eval mode stays there (model.train() would have flipped it).
+    adapter.model.blocks[0].eval()
+    evaluate(adapter, splits, batch_size=16)
+    assert [b.training for b in adapter.model.blocks] == [False] + [True] * (L - 1)
+    assert not any(m.training for m in adapter.model.blocks[0].modules())
+
+
+# -- equivalence with plain PyTorch -----------------------------------------------------------
+
+
+def test_no_freeze_epoch_equals_a_plain_pytorch_loop():
+    cfg = vit_config(
+        epochs=1, freeze=dict(policy="none"),
+        optimizer=dict(lr=2e-3, warmup_fraction=0.25, weight_decay=0.05, grad_clip=0.5),
+    )
+    trainer = ReferenceTrainer(cfg)
+    splits = trainer.splits
+    trainer.fit()
+
+    # The same model from the same seed, trained by a hand-written loop over the same order.
+    torch.manual_seed(cfg.seed)
+    import timm
+
+    model = timm.create_model(
+        "vit_base_patch16_224", pretrained=False, num_classes=splits.num_classes, img_size=8,
+        in_chans=3, depth=L, embed_dim=32, num_heads=2, mlp_ratio=2.0, patch_size=4,
+    )
+    model.train()
+    reference_init = build_adapter(
+        cfg.model, num_classes=splits.num_classes, image_size=8, in_chans=3, seed=cfg.seed
+    ).model.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference_init[k]), k
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=2e-3, betas=(0.9, 0.999),
+    )
+    sampler = GlobalSampler(len(splits.train), BATCH, cfg.seed)
+    total = STEPS_PER_EPOCH
+    for s in range(total):
+        progress = s / total
+        if progress < 0.25:
+            factor = progress / 0.25
+        else:
+            factor = 0.5 * (1 + math.cos(math.pi * (progress - 0.25) / 0.75))
+        for g in opt.param_groups:
+            g["lr"] = 2e-3 * factor
+        idx = torch.from_numpy(sampler.step_indices(0, s).copy())
+        x, y = splits.train.inputs[0][idx], splits.train.target[idx]
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)
+        opt.step()
+
+    ours = dict(trainer.adapter.model.named_parameters())
+    moved = 0.0
+    for name, p in model.named_parameters():
+        assert torch.allclose(ours[name], p, rtol=0, atol=1e-6), name
+        moved = max(moved, float((p.detach() - reference_init[name]).abs().max()))
+    assert moved > 1e-3  # the parameters did train, so agreement is not trivial
+
+
+# -- step-interval decisions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("warmup_epochs", "frozen_at_step", "epoch_end"),
+    [
+        # n(k) = ceil(4 (1 - 0.75^k)) = 0, 1, 2, 3, 3 (4 capped at L - 1 = 3).
+        (0, [0] * 3 + [1] * 3 + [2] * 3 + [3] * 7, [2, 3]),
+        # A one-epoch warm-up covers decisions 0-2 (steps 0-8): nothing freezes in epoch 0,
+        # then decision 3 at step 9 jumps to n(3) = 3.
+        (1, [0] * 9 + [3] * 7, [0, 3]),
+    ],
+)
+def test_step_interval_decisions_freeze_mid_epoch_at_the_right_steps(
+    warmup_epochs, frozen_at_step, epoch_end
+):
+    cfg = vit_config(
+        epochs=2,
+        freeze=dict(
+            policy="schedule", alpha=0.25, interval="steps", interval_steps=3,
+            warmup_epochs=warmup_epochs,
+        ),
+    )
+    trainer = ReferenceTrainer(cfg)
+    calls: list[tuple[int, int, tuple[int, ...]]] = []  # (decision, global step, norm blocks)
+    original_decide = trainer.policy.decide
+
+    def decide(decision, num_frozen, grad_norms=None):
+        calls.append((decision, trainer.global_step, tuple(sorted(grad_norms or {}))))
+        return original_decide(decision, num_frozen, grad_norms)
+
+    trainer.policy.decide = decide
+    seen_frozen: list[int] = []
+    original_step = trainer.train_step
+
+    def step(batch):
+        seen_frozen.append(trainer.num_frozen)
+        return original_step(batch)
+
+    trainer.train_step = step
+    timeline = trainer.fit()
+
+    # Decisions every 3 global steps across the epoch boundary, not per epoch (16 steps).
+    assert [(d, s) for d, s, _ in calls] == [(k, 3 * k) for k in range(6)]
+    # Freezes land on decision steps; steps 9-15 are epoch 1, so step 9 is mid-epoch.
+    assert seen_frozen == frozen_at_step
+    assert [r.num_frozen for r in timeline] == epoch_end
+    # Each decision sees the norms of exactly the blocks active since the previous one.
+    active = [0] + [frozen_at_step[3 * k - 1] for k in range(1, 6)]
+    assert [blocks for _, _, blocks in calls] == [
+        () if k == 0 else tuple(range(active[k], L)) for k in range(6)
+    ]
+
+
+# -- Hugging Face BERT ------------------------------------------------------------------------
+
+
+def test_tiny_bert_trains_with_finite_decreasing_loss():
+    cfg = build_config(dict(
+        model=dict(family="hf", name="bert", depth=2, width=32, num_heads=2, mlp_ratio=2.0),
+        data=dict(
+            name="synthetic_text", seq_len=16, num_samples=128, batch_size=8, num_classes=2
+        ),
+        freeze=dict(policy="schedule", alpha=0.5, warmup_epochs=2),
+        optimizer=dict(lr=3e-3, warmup_fraction=0.1),
+        epochs=3,
+    ))
+    trainer = ReferenceTrainer(cfg)
+    first = trainer.train_epoch(0)
+    assert math.isfinite(first.train_loss) and 0.0 <= first.eval_metric <= 1.0
+    rest = [trainer.train_epoch(e) for e in (1, 2)]
+    losses = [first.train_loss] + [r.train_loss for r in rest]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[0] > losses[1] > losses[2]
+    assert losses[2] < losses[0] - 0.1  # learning, not noise around ln 2
+    assert rest[-1].eval_metric > 0.8
+    # The last epoch trains with block 0 frozen (n(2) = ceil(2 * 0.75) = 2, capped at L - 1).
+    assert [first.num_frozen] + [r.num_frozen for r in rest] == [0, 0, 1]
