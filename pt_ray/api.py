@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,10 @@ class Result:
         final_eval_metric: the eval metric after the last epoch.
         wall_time_s: wall time of the whole run.
         run_dir: where ``config.yaml`` and ``summary.json`` were written.
+        checkpoint: the latest checkpoint directory (Ray engine), loadable with
+            ``pt_ray.load_checkpoint_layers``; None for the reference engine.
+        decisions: every freeze decision with its numbers and reason (Ray engine).
+        restarts: worker-group restarts from a checkpoint during the run.
     """
 
     config: RunConfig
@@ -60,6 +64,9 @@ class Result:
     final_eval_metric: float
     wall_time_s: float
     run_dir: Path
+    checkpoint: str | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    restarts: int = 0
 
 
 def fit(
@@ -68,6 +75,7 @@ def fit(
     overrides: Iterable[str] = (),
     output_dir: str | Path | None = None,
     on_epoch: Callable[[EpochRecord], None] | None = None,
+    worker_env: dict[str, str] | None = None,
 ) -> Result:
     """Train a model with AutoFreeze and write ``config.yaml`` and ``summary.json``.
 
@@ -75,7 +83,9 @@ def fit(
         config: a RunConfig, a dict of fields, a YAML path, or None for the default job.
         overrides: ``key=value`` strings applied on top (e.g. ``"freeze.alpha=0.25"``).
         output_dir: folder for the run's files (default: ``<output_dir>/<name>`` of the config).
-        on_epoch: called with each epoch's record (default: log one line per epoch).
+        on_epoch: called with each epoch's record (default: log one line per epoch). On Ray
+            the workers log each epoch as it ends and ``on_epoch`` sees the records at the end.
+        worker_env: extra environment variables for Ray's training workers.
 
     Raises:
         ConfigError: a bad value, before anything is built.
@@ -85,20 +95,31 @@ def fit(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
-    # Imported here so that config errors surface before torch and the model load.
-    from pt_ray.runtime.reference import ReferenceTrainer
-
-    t0 = time.perf_counter()
-    trainer = ReferenceTrainer(cfg)
-    metric_name = trainer.adapter.metric_name
-
     def report(rec: EpochRecord) -> None:
         if on_epoch is not None:
             on_epoch(rec)
         else:
             logger.info(format_epoch(rec, cfg.epochs, metric_name))
 
-    timeline = trainer.fit(report)
+    t0 = time.perf_counter()
+    extra: dict[str, Any] = {"engine": cfg.engine}
+    # Imported here so that config errors surface before torch, Ray and the model load.
+    if cfg.engine == "reference":
+        from pt_ray.runtime.reference import ReferenceTrainer
+
+        trainer = ReferenceTrainer(cfg)
+        metric_name = trainer.adapter.metric_name
+        timeline = trainer.fit(report)
+    else:
+        from pt_ray.service.trainer import run_on_ray
+
+        run = run_on_ray(cfg, run_dir, worker_env)
+        metric_name, timeline = run.metric_name, run.timeline
+        if on_epoch is not None:
+            for rec in timeline:
+                on_epoch(rec)
+        extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
+                     decisions=run.decisions, restarts=run.restarts)
     wall = time.perf_counter() - t0
     write_summary(
         run_dir / "summary.json",
@@ -106,6 +127,8 @@ def fit(
         metric_name=metric_name,
         timeline=timeline,
         config=cfg.model_dump(mode="json"),
-        extra={"engine": "reference"},
+        extra=extra,
     )
-    return Result(cfg, timeline, metric_name, timeline[-1].eval_metric, wall, run_dir)
+    return Result(cfg, timeline, metric_name, timeline[-1].eval_metric, wall, run_dir,
+                  checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
+                  restarts=extra.get("restarts", 0))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from pt_ray.logs import setup_logging
 from pt_ray.config import ConfigError
 
 __all__ = ["main"]
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pt-ray`` console script."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    setup_logging()
     from pt_ray.api import fit, resolve_config
 
     try:

@@ -146,6 +146,14 @@ class PipelineConfig(_Section):
     activation memory)."""
     memory_budget_bytes: int | Literal["auto"] = "auto"
     """Most memory one stage may hold; ``auto``: the largest stage of the initial plan."""
+    min_workers: int | None = Field(default=None, gt=0)
+    """Elastic training: start (or restart after a failure) with as few as this many workers
+    when the cluster has no room for ``num_workers``; the planner re-plans for the N it gets.
+    None: always exactly ``num_workers``."""
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+    """CPUs reserved per worker (and torch threads on CPU workers)."""
+    max_failures: int = Field(default=2, ge=-1)
+    """Worker-group restarts from the latest checkpoint before the run fails (-1: no limit)."""
 
     @model_validator(mode="after")
     def _k_divides_n(self) -> PipelineConfig:
@@ -153,6 +161,11 @@ class PipelineConfig(_Section):
             value = getattr(self, field)
             if isinstance(value, int) and value <= 0:
                 raise ValueError(f"pipeline.{field}={value} must be a positive integer or 'auto'")
+        if self.min_workers is not None and self.min_workers > self.num_workers:
+            raise ValueError(
+                f"pipeline.min_workers={self.min_workers} exceeds pipeline.num_workers="
+                f"{self.num_workers}; choose at most {self.num_workers}"
+            )
         k = self.pipeline_length
         if isinstance(k, int) and self.num_workers % k:
             raise ValueError(
@@ -205,6 +218,9 @@ class RunConfig(_Section):
 
     name: str = "pt-ray"
     """Run name (the controller actor and output folder are named after it)."""
+    engine: Literal["ray", "reference"] = "ray"
+    """``ray``: the elastic pipeline engine on Ray Train (N workers); ``reference``: the
+    single-process reference trainer (no Ray; the numerical oracle)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     freeze: FreezeConfig = Field(default_factory=FreezeConfig)

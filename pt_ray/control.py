@@ -162,6 +162,26 @@ class ControlState:
             "policy": policy_state() if policy_state else None,
         }
 
+    def resume(self, state: Mapping[str, Any], next_decision: int) -> Plan:
+        """Roll back to a checkpoint's state and return the plan to resume with.
+
+        Anything decided after the checkpoint is dropped (it will be decided again from the same
+        inputs). When the run resumes on a different number of workers (an elastic restart), the
+        plan is re-made for the new N, keeping the frozen prefix.
+        """
+        self.load_state_dict(state)
+        self.plans = {d: p for d, p in self.plans.items() if d <= next_decision}
+        self.decisions = [d for d in self.decisions if d["decision"] <= next_decision]
+        self._norms.clear()
+        plan = self.plans[next_decision]
+        if plan.num_workers != self.num_workers:
+            assert self.planner is not None
+            new = self.planner.replan(plan, self.num_workers)
+            logger.info("resumed on %d workers instead of %d: %s", self.num_workers,
+                        plan.num_workers, new.describe())
+            self.plans[next_decision] = plan = new
+        return plan
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (the planner is rebuilt from the saved costs)."""
         if state["costs"] is not None:

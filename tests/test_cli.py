@@ -15,6 +15,7 @@ from pt_ray.summary import EpochRecord, ideal_speedup
 pytestmark = pytest.mark.unit
 
 TINY = [
+    "--set", "engine=reference",
     "--set", "epochs=2",
     "--set", "model.depth=2",
     "--set", "model.width=32",
@@ -62,11 +63,11 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     assert [r["num_frozen"] for r in timeline] == [0, 1]
     assert summary["final_eval_metric"] == timeline[-1]["eval_metric"]
 
-    epoch_lines = [m for m in caplog.messages if m.startswith("epoch ")]
+    stdout = capsys.readouterr().out
+    epoch_lines = [m for m in stdout.splitlines() if m.startswith("epoch ")]
     assert len(epoch_lines) == 2
     assert epoch_lines[0].startswith("epoch   1/2  loss ")
     assert "frozen  1/2" in epoch_lines[1]
-    stdout = capsys.readouterr().out
     assert "final accuracy" in stdout and str(out / "summary.json") in stdout
 
 

@@ -34,7 +34,8 @@ from pt_ray.data.base import DatasetSplits, gather, set_epoch
 from pt_ray.data.sampler import GlobalSampler, eval_shards, split_for_replica
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.plan import CostTable, Plan, is_trainable
-from pt_ray.runtime.migrate import migrate
+from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
+from pt_ray.runtime.migrate import LayerStates, collect_layer_state, migrate
 from pt_ray.runtime.optim import build_optimizer, layer_param_groups, lr_factor, set_lr
 from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
@@ -101,6 +102,8 @@ class ElasticWorker:
         controller: where costs and norms go and plans come from.
         device: this rank's device (default: CPU).
         costs: a fixed cost table (skips profiling; for tests and forced layouts).
+        on_step: called as ``on_step(epoch, step)`` before every training step (progress
+            reporting, fault injection in tests).
     """
 
     def __init__(
@@ -112,8 +115,10 @@ class ElasticWorker:
         controller: Controller,
         device: torch.device | None = None,
         costs: CostTable | None = None,
+        on_step: Callable[[int, int], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.on_step = on_step
         self.adapter = adapter
         self.splits = splits
         self.controller = controller
@@ -131,6 +136,7 @@ class ElasticWorker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_step = 0
         self.samples_seen = 0
+        self._epoch = 0
         self.norms = GradNormMeter()
         adapter.model.to(self.device)
 
@@ -147,13 +153,19 @@ class ElasticWorker:
         self.controller.submit_costs(self.rank, costs)
         self.apply_plan(self.controller.plan_for(0))
 
-    def apply_plan(self, plan: Plan) -> float:
-        """Enter ``plan`` (migrating state when it replaces another); returns the wall time."""
+    def apply_plan(self, plan: Plan, restored: LayerStates | None = None) -> float:
+        """Enter ``plan`` (migrating state when it replaces another); returns the wall time.
+
+        Args:
+            plan: the plan to enter.
+            restored: optimizer state per layer when entering the first plan from a checkpoint
+                (parameters already loaded).
+        """
         if self.plan is not None and plan.generation == self.plan.generation:
             return 0.0
         t0 = time.perf_counter()
         if self.plan is None:
-            states = {}
+            states = restored or {}
         else:
             states = migrate(self.modules, self.optimizer, self.plan, plan, self.rank)
             self.topo.destroy()
@@ -233,23 +245,38 @@ class ElasticWorker:
         self.samples_seen += len(indices)
         return loss / r if last else 0.0
 
+    def _submit_norms(self, interval: int) -> None:
+        self.controller.submit_norms(interval, self.rank, self.norms.mean())
+        self.norms.reset()
+
     def _decision_point(self, decision: int) -> float:
-        """Submit the norms of interval ``decision - 1`` and enter decision ``decision``'s plan."""
-        if decision > 0:
-            self.controller.submit_norms(decision - 1, self.rank, self.norms.mean())
-            self.norms.reset()
+        """Enter decision ``decision``'s plan. With ``interval=steps`` the norms of interval
+        ``decision - 1`` are submitted here first; per-epoch norms go at the end of each epoch."""
+        if self.cfg.freeze.interval == "steps" and decision > 0:
+            self._submit_norms(decision - 1)
         return self.apply_plan(self.controller.plan_for(decision))
+
+    def resume_decision(self) -> int:
+        """After an epoch: the decision point a resumed run starts from. Per epoch it is the next
+        epoch's (decided once every rank has submitted its norms); every k steps it is the last
+        one taken (the next is decided when training reaches it)."""
+        if self.cfg.freeze.interval == "steps":
+            return max(self.global_step - 1, 0) // self.cfg.freeze.interval_steps
+        return self._epoch + 1
 
     def train_epoch(self, epoch: int) -> EpochRecord:
         """Train one epoch (entering the plans of its decision points) and evaluate."""
         cfg = self.cfg
         by_steps = cfg.freeze.interval == "steps"
+        self._epoch = epoch
         transition = 0.0 if by_steps else self._decision_point(epoch)
         set_epoch(self.splits.train, epoch)
         order = self.sampler.epoch_order(epoch)
         offset, steps, loss_sum = 0, 0, 0.0
         t0 = time.perf_counter()
         while offset + self._replicas_batch() <= len(order):
+            if self.on_step is not None:
+                self.on_step(epoch, steps)
             if by_steps and self.global_step % cfg.freeze.interval_steps == 0:
                 transition += self._decision_point(self.global_step // cfg.freeze.interval_steps)
             size = self._replicas_batch()  # a decision may have changed R
@@ -281,18 +308,20 @@ class ElasticWorker:
         )
         if not by_steps:
             # Interval `epoch` ends here; its norms feed the next epoch's decision.
-            self.controller.submit_norms(epoch, self.rank, self.norms.mean())
-            self.norms.reset()
+            self._submit_norms(epoch)
         if self.rank == 0:
             self.controller.record(rec)
         return rec
 
-    def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None) -> list[EpochRecord]:
-        """Start, then train every epoch; returns the timeline (identical on every rank)."""
+    def fit(
+        self, on_epoch: Callable[[EpochRecord], None] | None = None, first_epoch: int = 0
+    ) -> list[EpochRecord]:
+        """Start (unless restored), then train from ``first_epoch`` to the end; returns the
+        timeline of the epochs trained here (identical on every rank)."""
         if self.plan is None:
             self.start()
         timeline = []
-        for epoch in range(self.cfg.epochs):
+        for epoch in range(first_epoch, self.cfg.epochs):
             rec = self.train_epoch(epoch)
             timeline.append(rec)
             if on_epoch is not None:
@@ -341,6 +370,59 @@ class ElasticWorker:
             name: {k: v.detach().cpu().clone() for k, v in self.modules[name].state_dict().items()}
             for name in self.primary_layers()
         }
+
+    def save_shard(self, directory) -> None:
+        """Write this rank's part of a checkpoint: its primary layers' parameters and optimizer
+        state, and the gradient norms gathered since the last decision."""
+        layers: dict = {}
+        for name in self.primary_layers():
+            module = self.modules[name]
+            entry = {"params": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
+            if is_trainable(self.plan, name):
+                entry["optim"] = [
+                    {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+                    for st in collect_layer_state(self.optimizer, module)
+                ]
+            layers[name] = entry
+        if self.primary_layers():
+            layers["__norms__"] = {"sums": dict(self.norms.sums), "steps": self.norms.steps}
+        write_shard(directory, self.rank, layers)
+
+    def checkpoint_meta(self, epoch: int) -> dict:
+        """Run-level state after ``epoch`` (rank 0 writes it beside the shards)."""
+        return {
+            "epoch": epoch,
+            "global_step": self.global_step,
+            "samples_seen": self.samples_seen,
+            "num_workers": self.world,
+        }
+
+    def restore(self, directory, plan: Plan) -> int:
+        """Load a checkpoint and enter ``plan`` (decided for the resumed run, possibly for a
+        different number of workers). Returns the first epoch to train."""
+        meta = read_meta(directory)
+        self.global_step = meta["global_step"]
+        self.samples_seen = meta["samples_seen"]
+        replica, stage = plan.coords(self.rank)
+        names = plan.stage_layers(stage)
+        loaded, norms = load_layers(directory, names)
+        states: LayerStates = {}
+        with torch.no_grad():
+            for name in names:
+                module = self.modules[name]
+                module.load_state_dict(loaded[name]["params"])
+                if is_trainable(plan, name) and "optim" in loaded[name]:
+                    states[name] = [
+                        {k: v.to(p.device) if torch.is_tensor(v) and k != "step" else v
+                         for k, v in st.items()}
+                        for p, st in zip(module.parameters(), loaded[name]["optim"])
+                    ]
+        self.norms.reset()
+        blocks = set(plan.stage_blocks(stage))
+        self.norms.sums.update({b: v for b, v in norms["sums"].items() if b in blocks})
+        self.norms.steps = norms["steps"]
+        self.apply_plan(plan, restored=states)
+        return meta["epoch"] + 1
 
     def close(self) -> None:
         """Destroy this rank's subgroups (the WORLD group stays with its owner)."""

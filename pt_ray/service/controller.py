@@ -1,0 +1,132 @@
+"""The run's controller as a named Ray actor: decides freezes and plans, keeps the timeline.
+
+A thin asynchronous shell around :class:`pt_ray.control.ControlState`: it adds the blocking
+``plan_for`` every rank calls at a decision point (it returns once every rank's inputs are in, so
+all switch at the same step) and outlives worker restarts, because the driver owns it, not
+Ray Train's worker group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from pt_ray.logs import setup_logging
+from pt_ray.config import RunConfig
+from pt_ray.control import ControlState, build_control_state
+from pt_ray.plan import CostTable, Plan
+from pt_ray.summary import EpochRecord
+
+__all__ = ["ControllerActor", "RayController", "controller_name"]
+
+logger = logging.getLogger(__name__)
+
+
+def controller_name(run_id: str) -> str:
+    """The actor name workers look the controller up by."""
+    return f"pt-ray-controller:{run_id}"
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class ControllerActor:
+    """One per run. Created by the driver; workers reach it by name.
+
+    Args:
+        config: the run configuration (as a dict, validated again here).
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        setup_logging()
+        self.cfg = RunConfig.model_validate(config)
+        self.state: ControlState | None = None
+        self.metric_name = "accuracy"
+        self.restarts = 0
+        self.changed = asyncio.Condition()
+
+    async def setup(
+        self, num_layers: int, num_workers: int, steps_per_epoch: int, metric_name: str
+    ) -> None:
+        """Create the decision state on first call (idempotent; every rank calls it). A call with
+        a different worker count (an elastic restart) replaces it; ``resume`` then restores."""
+        self.metric_name = metric_name
+        if self.state is None or self.state.num_workers != num_workers:
+            self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch)
+
+    async def submit_costs(self, rank: int, costs: CostTable) -> None:
+        self.state.submit_costs(rank, costs)
+        await self._notify()
+
+    async def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
+        self.state.submit_norms(decision, rank, norms)
+        await self._notify()
+
+    async def plan_for(self, decision: int) -> Plan:
+        """The plan from ``decision`` on; waits until every rank's inputs are in."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.state.plan_for(decision) is not None)
+            return self.state.plan_for(decision)
+
+    async def record(self, rec: EpochRecord) -> None:
+        self.state.record(rec)
+
+    async def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    async def resume(self, state: dict[str, Any], next_decision: int) -> Plan:
+        """Roll back to a checkpoint after a worker-group restart (rank 0 calls it)."""
+        plan = self.state.resume(state, next_decision)
+        self.restarts += 1
+        await self._notify()
+        return plan
+
+    async def timeline(self) -> list[EpochRecord]:
+        return list(self.state.timeline) if self.state else []
+
+    async def decisions(self) -> list[dict[str, Any]]:
+        return list(self.state.decisions) if self.state else []
+
+    async def summary(self) -> dict[str, Any]:
+        """Timeline, decisions and the metric's name, for the driver at the end of a run."""
+        return {"timeline": await self.timeline(), "decisions": await self.decisions(),
+                "metric_name": self.metric_name, "restarts": self.restarts}
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+
+class RayController:
+    """The worker-side handle: the engine's ``Controller`` protocol over the named actor."""
+
+    def __init__(self, name: str, timeout_s: float = 3600.0) -> None:
+        self.actor = ray.get_actor(name)
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+
+    def setup(
+        self, num_layers: int, num_workers: int, steps_per_epoch: int, metric_name: str
+    ) -> None:
+        self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name)
+
+    def submit_costs(self, rank: int, costs: CostTable) -> None:
+        self._call("submit_costs", rank, costs)
+
+    def plan_for(self, decision: int) -> Plan:
+        return self._call("plan_for", decision)
+
+    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
+        self._call("submit_norms", decision, rank, norms)
+
+    def record(self, rec: EpochRecord) -> None:
+        self._call("record", rec)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def resume(self, state: dict[str, Any], next_decision: int) -> Plan:
+        return self._call("resume", state, next_decision)

@@ -1,0 +1,121 @@
+"""The Ray Train worker loop: one :class:`ElasticWorker` per device, driven by the controller.
+
+Ray Train starts one of these per worker with the WORLD process group already formed. Each
+rank builds the model from the run's seed, reaches the controller by name, resumes from Ray
+Train's latest checkpoint when there is one (a failure restart, possibly with a different worker
+count), and reports metrics and a checkpoint every epoch (``ray.train.report`` is a barrier:
+every rank reports).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from pt_ray.logs import setup_logging
+from pt_ray.config import RunConfig
+from pt_ray.data.registry import build_dataset
+from pt_ray.runtime.checkpoint import read_meta, write_meta
+from pt_ray.runtime.engine import ElasticWorker
+from pt_ray.runtime.reference import build_model_for
+from pt_ray.service.controller import RayController
+from pt_ray.summary import format_epoch
+
+__all__ = ["FAULT_ENV", "train_loop_per_worker"]
+
+logger = logging.getLogger("pt_ray.worker")
+
+FAULT_ENV = "PT_RAY_INJECT_FAULT"
+"""Testing hook: ``"<epoch>:<step>:<rank>:<marker path>"`` makes that rank kill its own process
+(SIGKILL) before that step, once (the marker file records that it fired). It first waits a few
+seconds so that Ray Train's controller, which collects reports when it polls the workers, has
+registered the previous epoch's checkpoint."""
+
+_FAULT_DELAY_S = 4.0
+
+
+def _fault_hook(rank: int):
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    epoch, step, target, marker = spec.split(":", 3)
+    if int(target) != rank:
+        return None
+
+    def hook(e: int, s: int) -> None:
+        if (e, s) == (int(epoch), int(step)) and not Path(marker).exists():
+            time.sleep(_FAULT_DELAY_S)
+            Path(marker).write_text(f"rank {rank} killed at epoch {e} step {s}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and ray.train.get_context().get_local_world_size() > 0:
+        local = ray.train.get_context().get_local_rank()
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train's per-worker function.
+
+    Args:
+        config: ``{"run": RunConfig as a dict, "controller": actor name}``.
+    """
+    setup_logging()
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    cfg = RunConfig.model_validate(config["run"])
+    torch.set_num_threads(max(1, int(cfg.pipeline.cpus_per_worker)))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    adapter = build_model_for(cfg, splits)
+    controller = RayController(config["controller"])
+    controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
+                     adapter.metric_name)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
+                           device=_device(), on_step=_fault_hook(rank))
+
+    first_epoch = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        worker.start()
+    else:
+        with checkpoint.as_directory() as directory:
+            meta = read_meta(Path(directory))
+            if rank == 0:
+                controller.resume(meta["controller"], meta["next_decision"])
+            dist.barrier()
+            plan = controller.plan_for(meta["next_decision"])
+            first_epoch = worker.restore(Path(directory), plan)
+        if rank == 0:
+            logger.info("resumed after epoch %d on %d workers: %s", first_epoch - 1, world,
+                        plan.describe())
+
+    for epoch in range(first_epoch, cfg.epochs):
+        rec = worker.train_epoch(epoch)
+        nxt = worker.resume_decision()
+        with tempfile.TemporaryDirectory() as tmp:
+            worker.save_shard(Path(tmp))
+            if rank == 0:
+                controller.plan_for(nxt)  # every rank's norms are in: the decision is made
+                write_meta(Path(tmp), {**worker.checkpoint_meta(epoch), "next_decision": nxt,
+                                       "controller": controller.state_dict()})
+                logger.info(format_epoch(rec, cfg.epochs, adapter.metric_name))
+            ray.train.report(
+                {**asdict(rec), "metric_name": adapter.metric_name},
+                checkpoint=ray.train.Checkpoint.from_directory(tmp),
+            )
+    worker.close()
