@@ -1,1 +1,62 @@
-"""pt-ray: PipeTransformer (ICML 2021) rebuilt as a Ray service."""
+"""pt-ray: PipeTransformer (ICML 2021) rebuilt as a Ray service.
+
+Train a Transformer while its converged leading blocks freeze, the pipeline shortens and the
+freed devices become more data-parallel replicas::
+
+    import pt_ray
+    result = pt_ray.fit()                                   # the default job
+    result = pt_ray.fit("my.yaml", overrides=["freeze.alpha=0.25"])
+    result.timeline                                         # per-epoch layout and speed
+
+Names that pull in torch, timm or transformers load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from pt_ray.api import Result, default_config_path, fit, resolve_config
+from pt_ray.config import ConfigError, RunConfig, load_config
+from pt_ray.freeze import build_freeze_policy
+from pt_ray.partition import Partition, partition
+from pt_ray.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.summary import EpochRecord, ideal_speedup, read_summary
+
+__all__ = [
+    "ConfigError",
+    "CostTable",
+    "EpochRecord",
+    "LayerCost",
+    "Partition",
+    "Plan",
+    "Planner",
+    "ReferenceTrainer",
+    "Result",
+    "RunConfig",
+    "build_adapter",
+    "build_dataset",
+    "build_freeze_policy",
+    "default_config_path",
+    "fit",
+    "ideal_speedup",
+    "load_checkpoint_layers",
+    "load_config",
+    "partition",
+    "read_summary",
+    "resolve_config",
+]
+
+_LAZY = {
+    "ReferenceTrainer": ("pt_ray.runtime.reference", "ReferenceTrainer"),
+    "build_adapter": ("pt_ray.models.registry", "build_adapter"),
+    "build_dataset": ("pt_ray.data.registry", "build_dataset"),
+    "load_checkpoint_layers": ("pt_ray.runtime.checkpoint", "load_layers"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(import_module(module), attr)
+    raise AttributeError(f"module 'pt_ray' has no attribute {name!r}")

@@ -10,10 +10,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pt_ray.config import RunConfig, apply_overrides, build_config, load_config
+from pt_ray.config import ConfigError, RunConfig, apply_overrides, build_config, load_config
 from pt_ray.summary import EpochRecord, format_epoch, write_summary
 
-__all__ = ["Result", "default_config_path", "fit", "resolve_config"]
+__all__ = ["Result", "default_config_path", "fit", "preflight", "resolve_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,34 @@ def resolve_config(
             return config
         config = config.model_dump(mode="json")
     return build_config(apply_overrides(config, overrides))
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Build the dataset and the model once in the driver, so that a bad path, model name or
+    layout fails here, before any Ray worker starts.
+
+    Raises:
+        ConfigError: the configuration cannot run (the message names the field and the fix).
+    """
+    from pt_ray.data.registry import build_dataset
+    from pt_ray.runtime.reference import build_model_for
+
+    try:
+        splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+        num_layers = build_model_for(cfg, splits).num_layers
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from err
+    k = cfg.pipeline.pipeline_length
+    if isinstance(k, int) and k > num_layers:
+        raise ConfigError(
+            f"pipeline.pipeline_length={k} exceeds the model's {num_layers} blocks; every stage "
+            f"needs a block, so choose at most {num_layers}"
+        )
+    if cfg.freeze.max_frozen is not None and cfg.freeze.max_frozen > num_layers:
+        raise ConfigError(
+            f"freeze.max_frozen={cfg.freeze.max_frozen} exceeds the model's {num_layers} "
+            f"blocks; choose at most {num_layers}"
+        )
 
 
 @dataclass(frozen=True)
@@ -91,6 +119,8 @@ def fit(
         ConfigError: a bad value, before anything is built.
     """
     cfg = resolve_config(config, overrides)
+    if cfg.engine == "ray":
+        preflight(cfg)
     run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
