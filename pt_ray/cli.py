@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pt_ray.logs import setup_logging
+from pt_ray.plan_cli import add_plan_parser
 from pt_ray.config import ConfigError
 
 __all__ = ["main"]
@@ -34,12 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--output", help="folder for config.yaml and summary.json "
                        "(default: <output_dir>/<name> from the config)")
+    add_plan_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pt-ray`` console script."""
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return args.func(args)
     setup_logging()
     from pt_ray.api import fit, resolve_config
 

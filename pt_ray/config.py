@@ -146,6 +146,14 @@ class PipelineConfig(_Section):
     activation memory)."""
     memory_budget_bytes: int | Literal["auto"] = "auto"
     """Most memory one stage may hold; ``auto``: the largest stage of the initial plan."""
+    policy: Literal["cost", "paper"] = "cost"
+    """How K and M are chosen as layers freeze: ``cost``: the layout the cost model predicts is
+    fastest among those that fit the memory budget; ``paper``: the paper's rule (the shortest
+    pipeline that fits; M from the replica batch)."""
+    hardware: str = "auto"
+    """Hardware profile for the cost model's links, overheads and memory (a name from
+    ``pt-ray plan --list`` or a YAML path); ``auto``: ``local-cpu`` on CPU workers,
+    ``a100-80g-nvlink`` on GPUs."""
     min_workers: int | None = Field(default=None, gt=0)
     """Elastic training: start (or restart after a failure) with as few as this many workers
     when the cluster has no room for ``num_workers``; the planner re-plans for the N it gets.

@@ -16,7 +16,9 @@ from statistics import median
 from typing import Any
 
 from pt_ray.config import RunConfig
+from pt_ray.costplan import CostModelPlanner
 from pt_ray.freeze import FreezePolicy, build_freeze_policy
+from pt_ray.hwprofile import load_hardware
 from pt_ray.plan import CostTable, LayerCost, Plan, Planner
 from pt_ray.summary import EpochRecord
 
@@ -217,7 +219,11 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int) -> FreezeP
 
 
 def build_control_state(
-    cfg: RunConfig, num_layers: int, num_workers: int, steps_per_epoch: int
+    cfg: RunConfig,
+    num_layers: int,
+    num_workers: int,
+    steps_per_epoch: int,
+    hardware: str = "local-cpu",
 ) -> ControlState:
     """The controller's state for a run: its freeze policy and planner from the config.
 
@@ -227,6 +233,7 @@ def build_control_state(
         num_workers: N, the workers actually running (may differ from the config after an
             elastic restart).
         steps_per_epoch: optimizer steps per epoch at the configured batch size.
+        hardware: the profile ``pipeline.hardware=auto`` resolves to on these workers.
     """
     policy = policy_for(cfg, num_layers, steps_per_epoch)
     p = cfg.pipeline
@@ -235,20 +242,28 @@ def build_control_state(
         k0 = None  # the configured K does not fit the workers Ray gave us: start at K = N
     largest = max(d for d in range(1, num_workers + 1)
                   if num_workers % d == 0 and d <= max(num_layers, 1))
+    k0 = k0 if k0 is not None else largest
+    forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
+    budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
+    hw_name = hardware if p.hardware == "auto" else p.hardware
 
-    def make_planner(costs: CostTable) -> Planner:
-        return Planner(
-            num_workers,
-            costs,
-            batch_size=cfg.data.batch_size,
-            batch_policy=cfg.batch_policy,
-            schedule=p.schedule,
-            initial_pipeline_length=k0 if k0 is not None else largest,
-            num_microbatches=p.num_microbatches if isinstance(p.num_microbatches, int) else None,
-            memory_budget=(
-                p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
-            ),
+    def make_planner(costs: CostTable) -> Planner | CostModelPlanner:
+        if p.policy == "paper":
+            return Planner(num_workers, costs, batch_size=cfg.data.batch_size,
+                           batch_policy=cfg.batch_policy, schedule=p.schedule,
+                           initial_pipeline_length=k0, num_microbatches=forced_m,
+                           memory_budget=budget)
+        planner = CostModelPlanner(
+            num_workers, costs, load_hardware(hw_name), batch_size=cfg.data.batch_size,
+            batch_policy=cfg.batch_policy, schedule=p.schedule, initial_pipeline_length=k0,
+            num_microbatches=forced_m, memory_budget=budget,
+            # The activation cache is not wired into the engine yet.
+            cache="off",
         )
+        if budget is None:
+            # DESIGN.md: by default a stage may hold what the largest stage held at the start.
+            planner.memory_budget = max(planner.stage_memory(planner.initial_plan()))
+        return planner
 
     label = "epoch" if cfg.freeze.interval == "epoch" else "interval"
     return ControlState(num_workers, policy, make_planner, decision_label=label)

@@ -32,7 +32,7 @@ def config(base, schedule, workers, **extra):
     return build_config({
         **base,
         "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
-        "pipeline": {"num_workers": workers, "schedule": schedule},
+        "pipeline": {"num_workers": workers, "schedule": schedule, "policy": "paper"},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
         "epochs": 3,
         **extra,

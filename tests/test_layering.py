@@ -9,7 +9,8 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PKG = Path(__file__).resolve().parents[1] / "pt_ray"
-PURE = ["config.py", "freeze.py", "partition.py", "plan.py", "summary.py"]
+PURE = ["config.py", "freeze.py", "partition.py", "plan.py", "summary.py", "costmodel.py",
+        "costplan.py", "hwprofile.py", "pipesim.py", "shapes.py", "simulate.py", "plan_cli.py"]
 TORCH_ONLY = ["models", "data", "runtime"]
 
 

@@ -25,7 +25,7 @@ def tiny_config(tmp_path, **extra):
         "data": {"name": "synthetic_image", "num_samples": 128, "image_size": 8,
                  "batch_size": 16},
         "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
-        "pipeline": {"num_workers": 2, "schedule": "1f1b"},
+        "pipeline": {"num_workers": 2, "schedule": "1f1b", "policy": "paper"},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
         "epochs": 3,
         "output_dir": str(tmp_path),

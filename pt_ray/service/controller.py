@@ -47,13 +47,20 @@ class ControllerActor:
         self.changed = asyncio.Condition()
 
     async def setup(
-        self, num_layers: int, num_workers: int, steps_per_epoch: int, metric_name: str
+        self,
+        num_layers: int,
+        num_workers: int,
+        steps_per_epoch: int,
+        metric_name: str,
+        hardware: str,
     ) -> None:
         """Create the decision state on first call (idempotent; every rank calls it). A call with
-        a different worker count (an elastic restart) replaces it; ``resume`` then restores."""
+        a different worker count (an elastic restart) replaces it; ``resume`` then restores.
+        ``hardware`` is what ``pipeline.hardware=auto`` means on the workers' devices."""
         self.metric_name = metric_name
         if self.state is None or self.state.num_workers != num_workers:
-            self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch)
+            self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch,
+                                             hardware)
 
     async def submit_costs(self, rank: int, costs: CostTable) -> None:
         self.state.submit_costs(rank, costs)
@@ -109,9 +116,14 @@ class RayController:
         return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
 
     def setup(
-        self, num_layers: int, num_workers: int, steps_per_epoch: int, metric_name: str
+        self,
+        num_layers: int,
+        num_workers: int,
+        steps_per_epoch: int,
+        metric_name: str,
+        hardware: str,
     ) -> None:
-        self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name)
+        self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name, hardware)
 
     def submit_costs(self, rank: int, costs: CostTable) -> None:
         self._call("submit_costs", rank, costs)

@@ -43,6 +43,10 @@ registered the previous epoch's checkpoint."""
 
 _FAULT_DELAY_S = 4.0
 
+# What pipeline.hardware=auto means on GPU workers: the measured per-layer costs replace the
+# profile's compute figures, so only its links, overheads and memory matter.
+_GPU_PROFILE = "a100-80g-nvlink"
+
 
 def _fault_hook(rank: int):
     spec = os.environ.get(FAULT_ENV)
@@ -83,10 +87,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
     adapter = build_model_for(cfg, splits)
     controller = RayController(config["controller"])
+    device = _device()
     controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
-                     adapter.metric_name)
+                     adapter.metric_name, "local-cpu" if device.type == "cpu" else _GPU_PROFILE)
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=_device(), on_step=_fault_hook(rank))
+                           device=device, on_step=_fault_hook(rank))
 
     first_epoch = 0
     checkpoint = ray.train.get_checkpoint()

@@ -1,0 +1,322 @@
+"""Cost model: analytic layer costs, and the predicted time of a step or a transition under a
+Plan on a cluster (:mod:`pt_ray.hwprofile`, re-exported here).
+
+Pure module (stdlib). A step of one replica is simulated event by event
+(:mod:`pt_ray.pipesim`), so the bubble, stage imbalance and transfer delays all emerge from the
+schedule; then each stage's data-parallel group all-reduces its gradients and steps its
+optimizer:
+
+1. stage ``k`` per micro-batch: forward (and backward, if it trains anything) of its blocks, the
+   embedding on stage 0 while it trains, the head and loss on the last stage, plus the
+   profile's fixed per-micro-batch overhead for each;
+2. the frozen prefix (embedding + blocks ``0..n-1``, forward only) runs on stage 0: per
+   micro-batch inside the schedule (pt-ray's runtime) or over the whole batch before the
+   pipeline starts (the 2021 code's ``pipe(frozen(x))``); with the cache it is a read of the
+   cached level plus the forward of the blocks frozen since (plus the write of the new level);
+3. point-to-point transfers cost ``bytes / bandwidth + latency``, intra- or inter-node by where
+   the two ranks sit (pipeline-major ranks, ``devices_per_node`` per node);
+4. ring all-reduce over R replicas: ``2 (R-1)/R * bytes / bandwidth + 2 (R-1) * latency``, with
+   the inter-node bandwidth shared by the groups that cross nodes at once;
+5. the optimizer streams the active parameters' state through device memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pt_ray.hwprofile import (
+    HardwareProfile,
+    calibrate,
+    fit_efficiency,
+    list_hardware,
+    load_hardware,
+)
+from pt_ray.pipesim import run_schedule
+from pt_ray.plan import CostTable, LayerCost, Plan, holders, is_trainable
+from pt_ray.shapes import ModelShape, layer_shapes
+
+__all__ = [
+    "HardwareProfile",
+    "PT_2021",
+    "PT_RAY",
+    "RUNTIMES",
+    "Runtime",
+    "StepBreakdown",
+    "allreduce_time",
+    "analytic_costs",
+    "calibrate",
+    "fit_efficiency",
+    "list_hardware",
+    "load_hardware",
+    "step_time",
+    "transition_time",
+]
+
+PARAM_BYTES = 4  # fp32 master weights and gradients
+
+
+# -- analytic costs ---------------------------------------------------------------------------
+
+
+def analytic_costs(shape: ModelShape, hw: HardwareProfile, micro_batch: int = 1) -> CostTable:
+    """Per-layer costs of ``shape`` on ``hw`` for a micro-batch of ``micro_batch`` samples.
+
+    Forward time is FLOPs over the sustained rate (never below the time to write the output
+    through device memory); backward is twice the forward (input and weight gradients).
+    Activation bytes are the layer's output per sample; parameters are fp32.
+    """
+    act = hw.activation_bytes_per_element
+
+    def cost(layer) -> LayerCost:
+        fwd = micro_batch * max(layer.flops / hw.sustained_flops,
+                                3 * layer.out_elements * act / hw.memory_bandwidth)
+        return LayerCost(fwd, 2 * fwd, layer.out_elements * act, layer.params * PARAM_BYTES)
+
+    embed, block, head = layer_shapes(shape)
+    return CostTable(cost(embed), tuple(cost(block) for _ in range(shape.num_layers)),
+                     cost(head), samples=micro_batch)
+
+
+# -- one step -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How a runtime executes a plan (what the cost model must mimic).
+
+    Attributes:
+        name: ``pt-ray`` or ``2021``.
+        prefix: ``pipelined`` (stage 0 runs the frozen prefix per micro-batch, in the schedule)
+            or ``serial`` (over the whole batch before the pipeline starts).
+        cache_writes: ``sync`` (writes cost the step time) or ``async`` (a helper process).
+        transition_overhead_s: fixed cost per transition on top of the profile's.
+        per_microbatch_overhead_s: the runtime's own cost per micro-batch and stage, replacing
+            the profile's (None: the profile's).
+        cache_bandwidth: the runtime's own cache read/write rate per device, replacing the
+            profile's (None: the profile's).
+    """
+
+    name: str
+    prefix: Literal["pipelined", "serial"]
+    cache_writes: Literal["sync", "async"]
+    transition_overhead_s: float = 0.0
+    per_microbatch_overhead_s: float | None = None
+    cache_bandwidth: float | None = None
+
+    def overhead(self, hw: HardwareProfile) -> float:
+        """Fixed cost of one forward or backward of one micro-batch on one stage."""
+        if self.per_microbatch_overhead_s is None:
+            return hw.per_microbatch_overhead_s
+        return self.per_microbatch_overhead_s
+
+    def cache_rate(self, hw: HardwareProfile) -> float:
+        """Bytes per second one device reads or writes the cache."""
+        return hw.cache_bandwidth if self.cache_bandwidth is None else self.cache_bandwidth
+
+
+PT_RAY = Runtime("pt-ray", "pipelined", "sync")
+"""pt-ray: stage 0 runs the prefix inside the schedule; the cache is written with ``ray.put``."""
+PT_2021 = Runtime("2021", "serial", "async", transition_overhead_s=30.0,
+                  per_microbatch_overhead_s=0.0132, cache_bandwidth=0.28e9)
+"""The 2021 code (He et al.'s repository at 187b78b), as measured there:
+
+* ``pipe(frozen(x))``: the frozen prefix runs over the whole batch before the pipeline;
+* a daemon process writes the cache (asynchronous);
+* 20-40 s per transition (``log/performance_analysis.log``: 4-18 s model reload plus 5-23 s
+  DDP rebuild);
+* 13.2 ms per micro-batch and stage: torchgpipe's Python scheduling. Fitted, jointly with the
+  device efficiency of ``paper-rtx5000``, to the published no-freeze micro-batch sweep at K=8,
+  batch 400 (``log/Chunk_num_analysis.md``: M = 8, 16, 24, 32 give 200, 210, 210, 180 images/s
+  per pipeline; the fit predicts 202, 212, 200, 185 and, held out, 188 for M = 6 against 188);
+* 0.28 GB/s per process for cache reads: one POSIX shared-memory segment per sample, copied in
+  Python. From the paper's throughput figure: with every block frozen a step is little more
+  than a cache read, and both cache-on curves plateau at the same rate per process (about
+  7,400 samples/s over 16 processes and 1,000 over 2, i.e. 460-500 samples/s of 605 KB).
+"""
+RUNTIMES = {r.name: r for r in (PT_RAY, PT_2021)}
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Predicted time of one training step (every replica in parallel).
+
+    Attributes:
+        step_s: the whole step, from the first input to the last optimizer update.
+        pipeline_s: the schedule's makespan on the slowest replica (serial prefix included).
+        prefix_s: stage 0's frozen-prefix work per step (forward, or cache read/advance/write).
+        allreduce_s: the longest stage all-reduce.
+        optimizer_s: the longest stage optimizer step.
+        bubble_fraction: idle share of the stages during the schedule.
+        samples: samples per step over all replicas.
+    """
+
+    step_s: float
+    pipeline_s: float
+    prefix_s: float
+    allreduce_s: float
+    optimizer_s: float
+    bubble_fraction: float
+    samples: int
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.samples / self.step_s if self.step_s > 0 else math.inf
+
+
+def allreduce_time(num_bytes: float, replicas: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce: ``2 (R-1)/R * bytes / bandwidth + 2 (R-1) * latency``."""
+    if replicas <= 1 or num_bytes <= 0:
+        return 0.0
+    return 2 * (replicas - 1) / replicas * num_bytes / bandwidth + 2 * (replicas - 1) * latency
+
+
+def _prefix_time(costs: CostTable, hw: HardwareProfile, runtime: Runtime, n: int, samples: float,
+                 cache: bool, cache_state: str, cached_level: int | None) -> float:
+    """Stage 0's frozen-prefix work for ``samples`` samples."""
+    if n == 0:
+        return 0.0
+    per = 1.0 / costs.samples
+
+    def forward(lo: int) -> float:
+        t = sum(b.forward_s for b in costs.blocks[lo:n]) + (costs.embed.forward_s if lo == 0 else 0)
+        return t * per * samples
+
+    def io(level: int) -> float:
+        return costs.blocks[level - 1].activation_bytes * samples / runtime.cache_rate(hw)
+
+    if not cache:
+        return forward(0)
+    write = io(n) if runtime.cache_writes == "sync" else 0.0
+    if cache_state == "miss":
+        return forward(0) + write
+    level = n if cached_level is None else cached_level
+    if not 0 < level <= n:
+        raise ValueError(f"cached_level={level} must lie in [1, num_frozen={n}]")
+    return io(level) + forward(level) + (write if level < n else 0.0)
+
+
+def step_time(
+    plan: Plan,
+    costs: CostTable,
+    hw: HardwareProfile,
+    batch_per_replica: int,
+    *,
+    runtime: Runtime = PT_RAY,
+    cache_state: Literal["hit", "miss"] = "hit",
+    cached_level: int | None = None,
+    frozen_in_place: int = 0,
+    optimizer_traffic: float = 5.0,
+) -> StepBreakdown:
+    """Predict one step of ``plan``.
+
+    Args:
+        plan: the layout (K, R, boundaries, M, schedule, cache).
+        costs: per-layer costs (times for ``costs.samples`` samples; scaled linearly).
+        hw: the cluster.
+        batch_per_replica: samples each replica takes per step.
+        runtime: how the runtime places the frozen prefix and writes the cache.
+        cache_state: with ``plan.cache``: ``hit`` (entries at ``cached_level`` exist) or
+            ``miss`` (none yet: full prefix forward, then a write).
+        cached_level: the level the cache holds (default: ``plan.num_frozen``, steady state).
+        frozen_in_place: blocks ``0..n-1`` frozen without moving them (the "freeze only"
+            ablation: they keep their stages and skip their backward).
+        optimizer_traffic: bytes the optimizer streams per active parameter byte (SGD with
+            momentum: 5; AdamW: 7).
+    """
+    k, r, n, m = plan.pipeline_length, plan.num_replicas, plan.num_frozen, plan.num_microbatches
+    if n and frozen_in_place:
+        raise ValueError("frozen_in_place applies to plans that froze nothing (num_frozen=0)")
+    scale = batch_per_replica / m / costs.samples
+    o = runtime.overhead(hw)
+    fwd, bwd, grads = [], [], []
+    for s in range(k):
+        f = b = p = 0.0
+        for i in plan.stage_blocks(s):
+            c = costs.blocks[i]
+            f += c.forward_s
+            if i >= frozen_in_place:
+                b += c.backward_s
+                p += c.param_bytes
+        if s == 0 and n == 0:
+            f += costs.embed.forward_s
+            if not frozen_in_place:
+                b += costs.embed.backward_s
+                p += costs.embed.param_bytes
+        if s == k - 1:
+            f, b, p = f + costs.head.forward_s, b + costs.head.backward_s, p + costs.head.param_bytes
+        fwd.append(f * scale + o)
+        bwd.append(b * scale + o if b > 0 else 0.0)
+        grads.append(p)
+
+    prefix = _prefix_time(costs, hw, runtime, n, batch_per_replica, plan.cache, cache_state,
+                          cached_level)
+    ready = [0.0] * k
+    if runtime.prefix == "serial":
+        ready[0] = prefix
+    else:
+        fwd[0] += prefix / m
+
+    # Stage outputs per micro-batch, and the links each replica's pipeline uses.
+    out_bytes = []
+    for s in range(k - 1):
+        last = plan.boundaries[s + 1] - 1
+        out_bytes.append(costs.blocks[last].activation_bytes * batch_per_replica / m)
+    results = {}
+    for rep in range(r):
+        links = tuple(hw.link(plan.rank_of(rep, s), plan.rank_of(rep, s + 1)) for s in range(k - 1))
+        if links not in results:
+            send = [nb / bw + lat for nb, (bw, lat) in zip(out_bytes, links)]
+            results[links] = run_schedule(fwd, bwd, m, plan.schedule, send, send, ready)
+    sched = max(results.values(), key=lambda x: x.makespan_s)
+
+    # Data-parallel groups: one per stage; those crossing nodes share each node's uplink.
+    spans = [len({hw.node_of(plan.rank_of(rep, s)) for rep in range(r)}) > 1 for s in range(k)]
+    sharing = max(1, sum(spans))
+    ar, opt = [], []
+    for s in range(k):
+        if spans[s]:
+            bw, lat = hw.inter_node_bandwidth / sharing, hw.inter_node_latency
+        else:
+            bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
+        ar.append(allreduce_time(grads[s], r, bw, lat))
+        opt.append(grads[s] * optimizer_traffic / hw.memory_bandwidth)
+    step = max(sched.stage_end_s[s] + ar[s] + opt[s] for s in range(k))
+    return StepBreakdown(
+        step_s=step,
+        pipeline_s=sched.makespan_s,
+        prefix_s=prefix,
+        allreduce_s=max(ar),
+        optimizer_s=max(opt),
+        bubble_fraction=sched.bubble_fraction,
+        samples=batch_per_replica * r,
+    )
+
+
+def transition_time(old: Plan, new: Plan, costs: CostTable, hw: HardwareProfile, *,
+                    runtime: Runtime = PT_RAY, optimizer_state_factor: float = 2.0) -> float:
+    """Predicted time of a transition from ``old`` to ``new``: every layer a rank newly holds
+    comes from replica 0's holder under ``old`` (parameters, plus optimizer state when it still
+    trains); a rank receives one layer at a time, ranks receive in parallel; plus the fixed
+    costs of regrouping."""
+    if old == new:
+        return 0.0
+    names = ["embed", *(f"block.{i}" for i in range(new.num_layers)), "head"]
+
+    def layer(name: str) -> LayerCost:
+        if name in ("embed", "head"):
+            return getattr(costs, name)
+        return costs.blocks[int(name.split(".")[1])]
+
+    incoming: dict[int, float] = {}
+    for name in names:
+        before = holders(old, name)
+        state = 1 + (optimizer_state_factor if is_trainable(new, name) else 0)
+        for dst in holders(new, name):
+            if dst in before:
+                continue
+            bw, lat = hw.link(before[0], dst)
+            incoming[dst] = incoming.get(dst, 0.0) + layer(name).param_bytes * state / bw + lat
+    return max(incoming.values(), default=0.0) + hw.group_setup_s + runtime.transition_overhead_s

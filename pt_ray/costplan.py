@@ -1,0 +1,269 @@
+"""AutoPipe by prediction: the planner that picks K, M and the cache by simulated throughput.
+
+Pure module. Same interface as :class:`pt_ray.plan.Planner` (which keeps the paper's rule, for
+``pipeline.policy=paper``). For a frozen-prefix length n it
+
+1. lists the candidate pipeline lengths K: divisors of N, no larger than the current K (K only
+   shrinks) nor than the active blocks (every stage trains at least one block);
+2. for each K, partitions the active blocks exactly (stage 0 carrying the embedding while it
+   trains, or the frozen prefix's per-micro-batch cost: its forward, or a cache read; the last
+   stage the head);
+3. for each K, the cache off and (when allowed and n > 0) on, and each micro-batch count M (a
+   divisor of the replica batch, at most ``max_microbatches_per_stage * K``), predicts the step
+   with :func:`pt_ray.costmodel.step_time` (cache in steady state: reads hit at level n) and
+   keeps the layouts whose every stage fits the memory budget;
+4. returns the layout with the highest predicted throughput ``R * batch / step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal
+
+from pt_ray.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, step_time
+from pt_ray.partition import Partition, partition
+from pt_ray.plan import CostTable, Plan, divisors
+
+__all__ = ["CostModelPlanner"]
+
+_FIT = 1 + 1e-9
+
+
+class CostModelPlanner:
+    """Chooses Plans by predicted throughput.
+
+    Args:
+        num_workers: N, devices in use.
+        costs: per-layer costs in seconds (profiled, or :func:`pt_ray.costmodel.analytic_costs`).
+        hw: the cluster's profile (links, overheads, memory, cache bandwidth).
+        batch_size: ``data.batch_size``.
+        batch_policy: ``fixed_global`` (each replica takes B / R) or ``per_replica`` (each B).
+        schedule: pipeline schedule for every plan.
+        initial_pipeline_length: K at the start; None: the fastest predicted K that fits.
+        num_microbatches: force M for every K > 1; None: searched per K.
+        memory_budget: most bytes one stage may hold; None: 90% of the device memory, or what
+            the configured start needs with its leanest M if that is more (it always fits).
+        cache: ``auto`` (on when predicted faster), ``on`` (whenever something is frozen),
+            ``off``.
+        runtime: how the runtime runs the prefix and writes the cache.
+        optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
+            gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
+        activation_memory_factor: bytes a block keeps for backward per byte of its output
+            (:func:`pt_ray.shapes.saved_activation_factor`; about 25 for ViT-B/16).
+        max_microbatches_per_stage: the M search stops at this many micro-batches per stage.
+        optimizer_traffic: see :func:`pt_ray.costmodel.step_time`.
+        accumulate: whether the runtime accumulates gradients over M micro-batches at K = 1
+            (the engine does not yet: it runs the replica batch at once, M = 1).
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        costs: CostTable,
+        hw: HardwareProfile,
+        *,
+        batch_size: int,
+        batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global",
+        schedule: Literal["gpipe", "1f1b"] = "1f1b",
+        initial_pipeline_length: int | None = None,
+        num_microbatches: int | None = None,
+        memory_budget: float | None = None,
+        cache: Literal["auto", "on", "off"] = "auto",
+        runtime: Runtime = PT_RAY,
+        optimizer_state_factor: float = 4.0,
+        activation_memory_factor: float = 24.0,
+        max_microbatches_per_stage: int = 16,
+        optimizer_traffic: float = 5.0,
+        accumulate: bool = False,
+    ) -> None:
+        fits_layers = [d for d in divisors(num_workers) if d <= max(1, costs.num_layers)]
+        if initial_pipeline_length is not None and initial_pipeline_length not in fits_layers:
+            raise ValueError(
+                f"pipeline_length={initial_pipeline_length} must divide num_workers={num_workers} "
+                f"and leave every stage a block; choose one of {fits_layers}"
+            )
+        if cache not in ("auto", "on", "off"):
+            raise ValueError(f"cache={cache!r} is not one of 'auto', 'on', 'off'")
+        self.num_workers = num_workers
+        self.costs = costs
+        self.hw = hw
+        self.batch_size = batch_size
+        self.batch_policy = batch_policy
+        self.schedule = schedule
+        self.forced_microbatches = num_microbatches
+        self.cache = cache
+        self.runtime = runtime
+        self.optimizer_state_factor = optimizer_state_factor
+        self.activation_memory_factor = activation_memory_factor
+        self.max_microbatches_per_stage = max_microbatches_per_stage
+        self.optimizer_traffic = optimizer_traffic
+        self.accumulate = accumulate
+        self._predictions: dict[Plan, StepBreakdown] = {}
+        self.memory_budget = memory_budget if memory_budget is not None else 0.9 * hw.device_memory_bytes
+        if initial_pipeline_length is None:
+            self.initial_pipeline_length = self._choose(0, num_workers).pipeline_length
+        else:
+            self.initial_pipeline_length = initial_pipeline_length
+            if memory_budget is None:
+                # The configured start must fit: with its leanest M at least.
+                k = initial_pipeline_length
+                part = self._partition(0, k, False)
+                leanest = min(max(self.stage_memory(self._layout(0, k, m, False, part)))
+                              for m in self._microbatch_candidates(k, num_workers // k))
+                self.memory_budget = max(self.memory_budget, leanest)
+
+    # -- predictions ---------------------------------------------------------------------------
+
+    def replica_batch(self, num_replicas: int) -> int:
+        """Samples one replica processes per step."""
+        if self.batch_policy == "fixed_global":
+            return max(1, self.batch_size // num_replicas)
+        return self.batch_size
+
+    def _partition(self, num_frozen: int, k: int, cache: bool) -> Partition:
+        c = self.costs
+        active = [b.forward_s + b.backward_s for b in c.blocks[num_frozen:]]
+        if num_frozen == 0:
+            first = c.embed.forward_s + c.embed.backward_s
+        elif self.runtime.prefix == "serial":
+            first = 0.0  # the prefix runs before the schedule, not inside stage 0's turns
+        elif cache:
+            first = (c.blocks[num_frozen - 1].activation_bytes * c.samples
+                     / self.runtime.cache_rate(self.hw))
+        else:
+            first = c.embed.forward_s + sum(b.forward_s for b in c.blocks[:num_frozen])
+        return partition(active, k, first_extra=first,
+                         last_extra=c.head.forward_s + c.head.backward_s)
+
+    def stage_memory(self, plan: Plan) -> list[float]:
+        """Predicted peak bytes per stage: active parameters with their gradient and optimizer
+        state, the frozen prefix's weights on stage 0, and the activations kept for backward
+        (GPipe keeps all M micro-batches; 1F1B at most ``K - stage``)."""
+        c, k, m = self.costs, plan.pipeline_length, plan.num_microbatches
+        per_mb = self.replica_batch(plan.num_replicas) / m
+        mem = []
+        for s in range(k):
+            held = m if plan.schedule == "gpipe" else min(m, k - s)
+            acts = held * per_mb * self.activation_memory_factor
+            total = sum(b.param_bytes * self.optimizer_state_factor + b.activation_bytes * acts
+                        for b in c.blocks[plan.boundaries[s]:plan.boundaries[s + 1]])
+            if s == 0:
+                frozen = plan.num_frozen > 0
+                total += c.embed.param_bytes * (1 if frozen else self.optimizer_state_factor)
+                total += sum(b.param_bytes for b in c.blocks[:plan.num_frozen])
+                total += 0 if frozen else c.embed.activation_bytes * acts
+            if s == k - 1:
+                total += c.head.param_bytes * self.optimizer_state_factor
+                total += c.head.activation_bytes * held * per_mb
+            mem.append(total)
+        return mem
+
+    def predict(self, plan: Plan) -> StepBreakdown:
+        """The predicted step of ``plan`` in steady state (cache reads hit at its level)."""
+        key = replace(plan, generation=0)
+        if key not in self._predictions:
+            self._predictions[key] = step_time(
+                plan, self.costs, self.hw, self.replica_batch(plan.num_replicas),
+                runtime=self.runtime, optimizer_traffic=self.optimizer_traffic)
+        return self._predictions[key]
+
+    def _microbatch_candidates(self, k: int, num_replicas: int) -> list[int]:
+        if k == 1:
+            # Without a pipeline the engine runs the replica batch at once; with accumulation
+            # (1F1B order at K = 1) each micro-batch's activations are freed before the next.
+            if self.accumulate and self.schedule == "1f1b":
+                return divisors(self.replica_batch(num_replicas))
+            return [1]
+        if self.forced_microbatches is not None:
+            return [self.forced_microbatches]
+        b = self.replica_batch(num_replicas)
+        return [d for d in divisors(b) if d <= self.max_microbatches_per_stage * k]
+
+    def _layout(self, num_frozen: int, k: int, m: int, cache: bool, part: Partition) -> Plan:
+        return Plan(
+            generation=0,
+            num_layers=self.costs.num_layers,
+            num_frozen=num_frozen,
+            pipeline_length=k,
+            num_replicas=self.num_workers // k,
+            boundaries=tuple(num_frozen + b for b in part.boundaries),
+            num_microbatches=m,
+            schedule=self.schedule,
+            cache=cache,
+            stage_loads=part.loads,
+        )
+
+    def _best(self, num_frozen: int, k: int, cache: bool, check_memory: bool = True) -> Plan | None:
+        """The fastest M for (n, K, cache) among those that fit; None if none fits."""
+        part = self._partition(num_frozen, k, cache)
+        best, best_rate = None, -1.0
+        for m in self._microbatch_candidates(k, self.num_workers // k):
+            plan = self._layout(num_frozen, k, m, cache, part)
+            if check_memory and max(self.stage_memory(plan)) > self.memory_budget * _FIT:
+                continue
+            rate = self.predict(plan).throughput
+            if rate > best_rate * _FIT:
+                best, best_rate = plan, rate
+        return best
+
+    def _choose(self, num_frozen: int, current: int) -> Plan:
+        active = self.costs.num_layers - num_frozen
+        ks = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
+        caches = [False]
+        if num_frozen > 0 and self.cache != "off":
+            caches = [True] if self.cache == "on" else [False, True]
+        best, best_rate = None, -1.0
+        for k in ks:
+            for cache in caches:
+                plan = self._best(num_frozen, k, cache)
+                if plan is None:
+                    continue
+                rate = self.predict(plan).throughput
+                if rate > best_rate * _FIT:
+                    best, best_rate = plan, rate
+        if best is None:  # nothing fits: keep the longest pipeline, as the paper's rule does
+            best = self._best(num_frozen, ks[-1], caches[-1], check_memory=False)
+        return best
+
+    # -- the Planner interface -----------------------------------------------------------------
+
+    def microbatches_for(self, k: int, num_replicas: int, num_frozen: int = 0,
+                         cache: bool = False) -> int:
+        """The predicted-fastest M for K stages (forced M when configured)."""
+        plan = self._best(num_frozen, k, cache) or self._best(num_frozen, k, cache, False)
+        return plan.num_microbatches
+
+    def pipeline_length_for(self, num_frozen: int, current: int) -> int:
+        """The predicted-fastest K that fits, at most ``current``."""
+        return self._choose(num_frozen, current).pipeline_length
+
+    def initial_plan(self) -> Plan:
+        """Generation 0: nothing frozen, the initial pipeline length, the fastest M."""
+        k = self.initial_pipeline_length
+        return self._best(0, k, False) or self._best(0, k, False, check_memory=False)
+
+    def next_plan(self, prev: Plan, num_frozen: int) -> Plan:
+        """The plan after the frozen prefix grows to ``num_frozen`` (``prev`` itself when
+        nothing changes)."""
+        if num_frozen < prev.num_frozen:
+            raise ValueError(f"num_frozen may only grow: {prev.num_frozen} -> {num_frozen} requested")
+        if num_frozen == prev.num_frozen:
+            return prev
+        return replace(self._choose(num_frozen, prev.pipeline_length),
+                       generation=prev.generation + 1)
+
+    def replan(self, prev: Plan, num_workers: int) -> Plan:
+        """A plan for a different device count (a restart with a new N), keeping
+        ``num_frozen``; K may grow again, up to the new N."""
+        planner = CostModelPlanner(
+            num_workers, self.costs, self.hw, batch_size=self.batch_size,
+            batch_policy=self.batch_policy, schedule=self.schedule,
+            num_microbatches=self.forced_microbatches, memory_budget=self.memory_budget,
+            cache=self.cache, runtime=self.runtime,
+            optimizer_state_factor=self.optimizer_state_factor,
+            activation_memory_factor=self.activation_memory_factor,
+            max_microbatches_per_stage=self.max_microbatches_per_stage,
+            optimizer_traffic=self.optimizer_traffic, accumulate=self.accumulate,
+        )
+        return replace(planner._choose(prev.num_frozen, num_workers),
+                       generation=prev.generation + 1)
