@@ -1,0 +1,292 @@
+"""``jobs/train.py``: where a job's output goes, and a real ``ray job submit`` to a ``ray start``
+head that this test starts and stops itself (never ``ray stop``, never the session cluster)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The `ray` CLI of the interpreter running the tests (not resolved: .venv/bin/python is a link).
+RAY = Path(sys.executable).parent / "ray"
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def load_entry():
+    spec = importlib.util.spec_from_file_location("jobs_train", REPO / "jobs" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------- output folder (no processes)
+
+
+@pytest.mark.unit
+def test_output_defaults_outside_the_jobs_temporary_working_dir(tmp_path, monkeypatch):
+    entry = load_entry()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}  # what Ray's job supervisor sets
+    base = tmp_path / "base"
+
+    # PT_RAY_OUTPUT is a base folder; the run goes in <name> (the default job's is "default").
+    assert entry.output_dir([], {"PT_RAY_OUTPUT": str(base)}) == base / "default"
+    assert entry.output_dir(["--set", "name=n1"], {"PT_RAY_OUTPUT": str(base)}) == base / "n1"
+    # Without it: an absolute output_dir of the config, else ~/pt-ray-runs.
+    assert entry.output_dir(["--set", f"output_dir={base}"], {}) == base / "default"
+    assert entry.output_dir([], {}) == tmp_path / "home" / "pt-ray-runs" / "default"
+    # --output wins; a relative one is kept out of a job's cwd (deleted after the job).
+    assert entry.output_dir(["--output", str(base / "x")], job) == base / "x"
+    assert entry.output_dir(["--output", "rel"], {**job, "PT_RAY_OUTPUT": str(base)}) == (
+        base / "rel"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert entry.output_dir(["--output=rel"], {}) == tmp_path / "rel"
+
+
+@pytest.mark.unit
+def test_config_error_exits_2_before_anything_starts(tmp_path, monkeypatch, capsys):
+    entry = load_entry()
+    monkeypatch.setenv("PT_RAY_OUTPUT", str(tmp_path / "runs"))
+
+    assert entry.main(["--set", "epochs=0"]) == 2
+    assert entry.main(["--set", "pipeline.pipline_length=2"]) == 2
+
+    err = capsys.readouterr().err
+    assert "epochs=0" in err and "greater than 0" in err
+    assert "did you mean pipeline.pipeline_length?" in err
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- a head of our own
+
+
+def free_ports(count: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def process_info(pid: int) -> tuple[int, str, str] | None:
+    """(session id, command line, cwd) of one of our own processes, or None."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        if proc.stat().st_uid != os.getuid():
+            return None
+        sid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return sid, cmdline, os.readlink(proc / "cwd")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class Head:
+    """A ``ray start --head --block`` subprocess in its own session and temp dir."""
+
+    proc: subprocess.Popen
+    temp_dir: str
+    url: str
+    log: Path
+    start_s: float = 0.0
+    stray: list[str] = field(default_factory=list)
+
+    def processes(self) -> dict[int, str]:
+        """Our processes that belong to this head: in its session (everything ``ray start``
+        spawned: gcs, raylet, dashboard, agents, workers) or naming its temp dir in the command
+        line or cwd (a job's driver runs in its own session, in the unpacked working dir)."""
+        found = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            info = process_info(int(entry))
+            if info is None:
+                continue
+            sid, cmdline, cwd = info
+            if sid == self.proc.pid or self.temp_dir in cmdline or cwd.startswith(self.temp_dir):
+                found[int(entry)] = cmdline[:160]
+        return found
+
+    def stop(self) -> None:
+        """SIGTERM ``ray start --block`` (it drains and stops what it started), then SIGKILL by
+        PID whatever of this head is still there after a grace period, recording it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)  # the node drains for up to 30 s
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        deadline = time.monotonic() + 15
+        while (left := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid, cmdline in left.items():
+            self.stray.append(f"{pid} {cmdline}")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def http_json(url: str, timeout: float = 5):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def cli_env() -> dict[str, str]:
+    """This environment without any RAY_* variable (no RAY_ADDRESS of another cluster), with
+    auth and usage stats off and this venv's ``python`` and ``ray`` first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_ENV, PATH=f"{RAY.parent}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
+@pytest.fixture
+def ray_head():
+    # A short dir of our own: Ray's unix socket paths under it must stay below 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="ptj-", dir="/tmp")
+    gcs, dash, client, agent, agent_grpc, env_agent, metrics, node, obj = free_ports(9)
+    log = Path(temp_dir) / "head.log"
+    cmd = [
+        str(RAY), "start", "--head", "--block",
+        f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true", "--num-cpus=2", f"--object-store-memory={300 * 2**20}",
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        # Explicit ports: the defaults (10001, 52365, ...) may be held by another engineer's head.
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
+        f"--metrics-export-port={metrics}", f"--node-manager-port={node}",
+        f"--object-manager-port={obj}",
+    ]
+    # SIGTERM otherwise drains the node for up to 30 s: Train's autoscaling-coordinator actor
+    # outlives the job and keeps a worker leased, so the node never turns idle.
+    env = {**cli_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=temp_dir, start_new_session=True)
+    head = Head(proc, temp_dir, f"http://127.0.0.1:{dash}", log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ray start exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                http_json(f"{head.url}/api/version")
+                http_json(f"{head.url}/api/jobs/")  # the job API answers
+                head.start_s = time.monotonic() - t0
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the job API never answered:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield head
+    finally:
+        head.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def working_dir_copy(dest: Path) -> Path:
+    """Only what a job needs: pt_ray/ and jobs/ (no .venv, .git, runs, bench/out)."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in ("pt_ray", "jobs"):
+        shutil.copytree(REPO / name, dest / name, ignore=skip)
+    return dest
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_ray_job_submit_trains_on_the_head_and_writes_the_summary(ray_head, tmp_path):
+    out, env_out = tmp_path / "out", tmp_path / "env-out"
+    submission_id = f"pt-ray-job-{uuid.uuid4().hex[:8]}"
+    runtime_env = {"env_vars": {
+        **RAY_ENV,
+        "PT_RAY_OUTPUT": str(env_out),
+        # Ray Train's placement-group cleaner queries the state API without an address; with
+        # another cluster on the host (the session's ray_cluster, a colleague's) it fails with
+        # "Found multiple active Ray instances" unless told which dashboard to ask.
+        "RAY_API_SERVER_ADDRESS": ray_head.url,
+    }}
+    repo = working_dir_copy(tmp_path / "repo")
+
+    def submit(submission_id: str, *args: str) -> tuple[int, str]:
+        cmd = [
+            str(RAY), "job", "submit", "--address", ray_head.url,
+            "--submission-id", submission_id, "--working-dir", str(repo),
+            "--runtime-env-json", json.dumps(runtime_env),
+            "--", "python", "jobs/train.py", *args,
+        ]
+        proc = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
+                              timeout=420)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    # A bad config fails the job (exit 2 of the entry point) before anything trains.
+    bad_id = f"{submission_id}-bad"
+    code, logs = submit(bad_id, "--set", "epochs=0", "--output", str(out))
+    assert code != 0 and "epochs=0: Input should be greater than 0" in logs, logs[-3000:]
+    job = http_json(f"{ray_head.url}/api/jobs/{bad_id}")
+    assert job["status"] == "FAILED" and "exit code 2" in job["message"], job
+    assert not out.exists()
+
+    t0 = time.monotonic()
+    code, logs = submit(submission_id, "--set", "epochs=2", "--set", "data.num_samples=256",
+                        "--output", str(out))
+    job_s = time.monotonic() - t0
+    assert code == 0, logs[-6000:]
+    assert http_json(f"{ray_head.url}/api/jobs/{submission_id}")["status"] == "SUCCEEDED"
+    assert "Found multiple active Ray instances" not in logs
+
+    # The job ran the pt_ray shipped in its working dir (unpacked under the head's temp dir),
+    # not the copy installed in the venv.
+    shipped = [ln.split(" from ", 1)[1] for ln in logs.splitlines()
+               if ln.startswith("pt-ray job: pt_ray from ")]
+    assert shipped and shipped[0].startswith(ray_head.temp_dir), logs[-3000:]
+    # The last summary line names the absolute --output path (it wins over PT_RAY_OUTPUT).
+    summary_lines = [ln for ln in logs.splitlines() if ln.startswith("summary: ")]
+    assert summary_lines, logs[-3000:]
+    summary_path = Path(summary_lines[-1].removeprefix("summary: "))
+    assert summary_path == out / "summary.json" and summary_path.is_file()
+    assert not env_out.exists()
+
+    summary = json.loads(summary_path.read_text())
+    assert summary["engine"] == "ray" and summary["metric_name"] == "accuracy"
+    timeline = summary["timeline"]
+    assert [r["epoch"] for r in timeline] == [0, 1]
+    assert all(r["pipeline_length"] in (1, 2) for r in timeline)
+    assert all(0.0 <= r["eval_metric"] <= 1.0 for r in timeline)
+    assert summary["final_eval_metric"] == timeline[-1]["eval_metric"]
+    assert summary["config"]["epochs"] == 2 and summary["config"]["data"]["num_samples"] == 256
+
+    # The driver attached to this head (RAY_ADDRESS from the supervisor) instead of starting an
+    # embedded cluster: the run's controller actor lives in this head's GCS.
+    actors = http_json(f"{ray_head.url}/api/v0/actors?limit=1000&detail=false")
+    names = {a.get("name") for a in actors["data"]["result"]["result"]}
+    assert any(n and summary["run_id"] in n for n in names), names
+
+    t1 = time.monotonic()
+    ray_head.stop()
+    stop_s = time.monotonic() - t1
+    assert ray_head.proc.returncode is not None
+    assert not ray_head.stray, f"left behind by ray start --block: {ray_head.stray}"
+    print(f"head start {ray_head.start_s:.1f} s, job {job_s:.1f} s, head stop {stop_s:.1f} s")
