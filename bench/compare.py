@@ -1,0 +1,325 @@
+"""Side-by-side speed benchmark: the no-freeze baseline against pt-ray (freezing on).
+
+Both arms run the same job (same engine, data, seed and epochs) inside one local Ray cluster
+started here, so cluster start-up is paid once and excluded from both. Arms alternate across
+repeats (baseline, pt-ray, then pt-ray, baseline, ...; ``--order abab`` keeps one order) to
+spread machine noise over both. The figures are ratios (DESIGN.md, "Measuring"); absolute
+times on a shared 2-core machine are not.
+
+Arms:
+  baseline  the config with ``freeze.policy=none`` (K stays at its initial value, 2 on the
+            CPU testbed, R = 1, for the whole run)
+  pt-ray    the config as given (AutoFreeze on: K = 2 -> 1, R = 1 -> 2 as blocks freeze)
+  dp        optional (``--dp-arm``): ``freeze.policy=none`` with ``pipeline.pipeline_length=1``
+            (K = 1, R = N for the whole run): separates what leaving the pipeline buys from
+            what freezing buys.
+
+Writes ``<out>/compare.json`` and ``<out>/compare.png`` and prints a table. Usage:
+
+    python bench/compare.py [--config FILE] [--set k=v ...] [--epochs N] [--repeats R]
+                            [--out bench/out] [--dp-arm] [--order abba|abab]
+    python bench/compare.py --resummarise bench/out/compare.json --out bench/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from compare_report import _med, bound_for, write_report  # noqa: E402
+from pt_ray.api import default_config_path, fit, resolve_config  # noqa: E402
+
+ARM_OVERRIDES: dict[str, list[str]] = {
+    "baseline": ["freeze.policy=none"],
+    "pt-ray": [],
+    "dp": ["freeze.policy=none", "pipeline.pipeline_length=1"],
+}
+
+
+# -- running -----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_ray(num_cpus: int, object_store_mb: int, log_to_driver: bool) -> None:
+    """One local cluster for the whole benchmark (fit() then attaches instead of starting).
+
+    The dashboard port is chosen here and handed to every actor as ``RAY_API_SERVER_ADDRESS``:
+    Ray Train's placement-group cleaner queries the state API with address ``auto``, which fails
+    ("Found multiple active Ray instances") when another cluster runs on the same host.
+    """
+    import ray
+
+    port = _free_port()
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=True,  # Ray Train's placement-group cleaner polls the state API
+        dashboard_host="127.0.0.1",
+        dashboard_port=port,
+        object_store_memory=object_store_mb * 2**20,
+        logging_level=logging.WARNING,
+        log_to_driver=log_to_driver,
+        runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
+    )
+
+
+class CheckpointWatcher:
+    """Notes when each epoch's checkpoint appears (its folder name carries Ray Train's
+    timestamp). Ray Train keeps only the latest two, so the folder is polled while the run goes.
+    With the timeline this splits a run's wall time into start-up, epochs (training + eval) and
+    what each epoch costs between them (checkpoint, ``ray.train.report`` barrier, plan)."""
+
+    def __init__(self, root: Path, period_s: float = 0.2) -> None:
+        self.root, self.period_s = root, period_s
+        self.names: set[str] = set()
+        # Ray Train storage of earlier runs under the same name (each run has its own folder).
+        self.old = {p.name for p in root.iterdir()} if root.is_dir() else set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> CheckpointWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+
+    def _poll(self) -> None:
+        if self.root.is_dir():
+            self.names.update(p.name for p in self.root.glob("*/checkpoint_*")
+                              if p.parent.name not in self.old)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._poll()
+
+    def times(self) -> list[float]:
+        """Epoch-end wall-clock times (seconds since the epoch), sorted."""
+        out = []
+        for name in self.names:
+            stamp = name.removeprefix("checkpoint_")
+            try:
+                out.append(datetime.strptime(stamp, "%Y-%m-%d_%H-%M-%S.%f").timestamp())
+            except ValueError:
+                continue
+        return sorted(out)
+
+
+def time_split(start: float, end: float, ends: list[float], timeline: list[dict]) -> dict:
+    """Where a run's wall time went, from epoch-end times (see :class:`CheckpointWatcher`)."""
+    if len(ends) != len(timeline):
+        return {"checkpoints_seen": len(ends)}
+    work = [r["epoch_time_s"] + r["transition_time_s"] + r.get("eval_time_s", 0.0)
+            for r in timeline]
+    gaps = [ends[i] - ends[i - 1] - work[i] for i in range(1, len(ends))]
+    return {
+        "checkpoints_seen": len(ends),
+        "between_epochs_each_s": gaps,
+        "startup_s": ends[0] - start - work[0],
+        "between_epochs_s": sum(gaps),
+        "between_epochs_median_s": _med(gaps) if gaps else 0.0,
+        "teardown_s": end - ends[-1],
+    }
+
+
+def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
+            keep_checkpoints: bool) -> dict:
+    """Run one arm once; returns its figures (times in seconds, accuracy as a fraction)."""
+    name = f"{arm}-{repeat}"
+    ovr = [*overrides, *ARM_OVERRIDES[arm], f"name=bench-{name}"]
+    run_dir = out / "runs" / name
+    print(f"[compare] {name}: start ({time.strftime('%H:%M:%S')}, "
+          f"load {os.getloadavg()[0]:.2f})", flush=True)
+    start = time.time()
+    t0 = time.perf_counter()
+    with CheckpointWatcher(run_dir / "ray") as watcher:
+        result = fit(config, overrides=ovr, output_dir=run_dir, on_epoch=lambda rec: None)
+    outer = time.perf_counter() - t0
+    end = time.time()
+    timeline = [asdict(r) if not isinstance(r, dict) else dict(r) for r in result.timeline]
+    epoch_sum = sum(r["epoch_time_s"] for r in timeline)
+    trans_sum = sum(r["transition_time_s"] for r in timeline)
+    eval_sum = sum(r.get("eval_time_s", 0.0) for r in timeline)
+    rec = {
+        "arm": arm,
+        "repeat": repeat,
+        "overrides": ovr,
+        "wall_time_s": result.wall_time_s,
+        "fit_call_s": outer,
+        "train_time_s": epoch_sum + trans_sum,
+        "epoch_time_sum_s": epoch_sum,
+        "transition_time_sum_s": trans_sum,
+        "eval_time_sum_s": eval_sum,
+        "overhead_s": result.wall_time_s - epoch_sum - trans_sum - eval_sum,
+        "overhead_split": time_split(start, end, watcher.times(), timeline),
+        "metric_name": result.metric_name,
+        "final_accuracy": result.final_eval_metric,
+        "timeline": timeline,
+        "run_dir": str(result.run_dir),
+        "restarts": result.restarts,
+        "load_after": os.getloadavg()[0],
+    }
+    if arm == "pt-ray":
+        rec.update(bound_for(timeline))
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir / "ray", ignore_errors=True)  # Ray Train storage made by this run
+    print(f"[compare] {name}: train {rec['train_time_s']:.1f} s, wall {rec['wall_time_s']:.1f} s,"
+          f" {rec['metric_name']} {rec['final_accuracy']:.4f}", flush=True)
+    return rec
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def source_info(label: str | None) -> dict[str, Any]:
+    """Which pt_ray was measured: its folder, and its git commit and local changes if any."""
+    import pt_ray
+
+    root = Path(pt_ray.__file__).resolve().parent.parent
+    info: dict[str, Any] = {"pt_ray_path": str(root), "label": label}
+    try:
+        git = ["git", "-C", str(root)]
+        info["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True,
+                                        text=True, check=True).stdout.strip()
+        info["uncommitted_changes"] = bool(subprocess.run(
+            [*git, "status", "--porcelain", "--", "pt_ray"], capture_output=True, text=True,
+            check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=None,
+                        help="run config YAML (default: pt-ray's default job)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override applied to every arm (repeatable)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the config's)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per arm, alternated")
+    parser.add_argument("--out", type=Path, default=Path("bench/out"),
+                        help="folder for compare.json, compare.png and runs/ (default: bench/out)")
+    parser.add_argument("--order", choices=["abba", "abab"], default="abba",
+                        help="arm order across repeats: abba reverses it on odd repeats "
+                             "(baseline, pt-ray, pt-ray, baseline, ...); abab keeps it")
+    parser.add_argument("--dp-arm", action="store_true",
+                        help="also run no-freeze K=1 (pure data parallel) as a third arm")
+    parser.add_argument("--object-store-mb", type=int, default=512,
+                        help="object store of the benchmark's Ray cluster, MiB (default: 512)")
+    parser.add_argument("--label", default=None,
+                        help="free text saved in the JSON (e.g. the commit of a snapshot)")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each run's Ray Train storage under <out>/runs/<arm>-<i>/ray")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the Ray workers' log lines (one per epoch, and Ray's own)")
+    parser.add_argument("--resummarise", type=Path, default=None, metavar="JSON",
+                        help="recompute the figures, PNG and table from a compare.json's runs "
+                             "(written to --out) without running anything")
+    args = parser.parse_args(argv)
+    if args.resummarise is not None:
+        write_report(json.loads(args.resummarise.read_text()), args.out)
+        return 0
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    overrides = list(args.overrides)
+    if args.epochs is not None:
+        overrides.append(f"epochs={args.epochs}")
+    config = args.config if args.config is not None else default_config_path()
+    cfg = resolve_config(config, overrides)  # fails here, before Ray, on a bad value
+    for arm in ARM_OVERRIDES:
+        resolve_config(config, [*overrides, *ARM_OVERRIDES[arm]])
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    arms = ["baseline", "pt-ray"] + (["dp"] if args.dp_arm else [])
+    started = False
+    if cfg.engine == "ray":
+        need = cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker
+        start_ray(max(int(-(-need // 1)), 1), args.object_store_mb, args.verbose)
+        started = True
+        import pt_ray.service.trainer  # noqa: F401  (imports paid here, not by the first arm)
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    try:
+        for repeat in range(args.repeats):
+            # abba: odd repeats run the arms in reverse, so that drift and whatever a run leaves
+            # behind for the next one fall on both arms alike.
+            order = arms[::-1] if args.order == "abba" and repeat % 2 else arms
+            for arm in order:
+                runs[arm].append(run_arm(arm, repeat, config, overrides, args.out,
+                                          args.keep_checkpoints))
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+    data: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "config": str(config),
+        "overrides": overrides,
+        "engine": cfg.engine,
+        "num_workers": cfg.pipeline.num_workers,
+        "epochs": cfg.epochs,
+        "repeats": args.repeats,
+        "order": args.order,
+        "arms": arms,
+        "arm_overrides": {a: ARM_OVERRIDES[a] for a in arms},
+        "metric_name": runs["pt-ray"][0]["metric_name"],
+        "source": source_info(args.label),
+        # Ray Train's controller collects one report per poll (default every 2 s; each rank's
+        # result queue holds one), which floors an epoch's wall time when epochs are short.
+        "env": {k: os.environ.get(k) for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",)},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_before": load_before, "load_after": os.getloadavg(),
+                    "benchmark_s": time.perf_counter() - t0},
+        "definitions": {
+            "train_time_s": "sum over epochs of epoch_time_s + transition_time_s "
+                            "(training steps and re-plans; evaluation excluded)",
+            "wall_time_s": "fit() wall time: Ray Train worker start, profiling, training, "
+                           "evaluation, checkpoints (the cluster start is excluded)",
+            "speedup": "median over repeats of baseline train_time_s / pt-ray train_time_s "
+                       "(pairs run back to back)",
+            "speedup_best_epochs": "the same ratio with each epoch at its fastest over the "
+                                   "repeats (least disturbed by other load)",
+            "same_plan_ratio": "baseline / pt-ray time over the epochs in which both ran the "
+                               "same plan (nothing frozen yet); 1 on a quiet machine",
+            "speedup_adjusted_for_same_plan": "speedup / same_plan_ratio per repeat, median: a "
+                                              "heuristic that assumes a run-wide slowdown",
+            "ideal_bound": "DESIGN.md: active block 3 units (fwd+bwd), frozen block 1 (fwd), "
+                           "0 for cache hits; no-freeze cost / this timeline's cost",
+            "fraction_of_bound": "speedup / ideal_bound",
+            "accuracy_diff_points": "100 * (pt-ray accuracy - baseline accuracy), medians",
+        },
+    }
+    data["runs"] = runs
+    write_report(data, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
