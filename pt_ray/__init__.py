@@ -24,9 +24,11 @@ from pt_ray.plan import CostTable, LayerCost, Plan, Planner
 from pt_ray.summary import EpochRecord, ideal_speedup, read_summary
 
 __all__ = [
+    "ActivationStore",
     "ConfigError",
     "CostTable",
     "EpochRecord",
+    "InMemoryStore",
     "LayerCost",
     "Partition",
     "Plan",
@@ -48,6 +50,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "ActivationStore": ("pt_ray.runtime.cache", "ActivationStore"),
+    "InMemoryStore": ("pt_ray.runtime.cache", "InMemoryStore"),
     "ReferenceTrainer": ("pt_ray.runtime.reference", "ReferenceTrainer"),
     "build_adapter": ("pt_ray.models.registry", "build_adapter"),
     "build_dataset": ("pt_ray.data.registry", "build_dataset"),

@@ -13,13 +13,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "CacheConfig",
     "ConfigError",
     "DataConfig",
     "FreezeConfig",
+    "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PipelineConfig",
@@ -218,7 +226,53 @@ class CacheConfig(_Section):
     """AutoCache: the frozen prefix's activations in Ray's object store."""
 
     mode: Literal["auto", "on", "off"] = "auto"
-    """``auto``: on when the planner predicts a gain; ``on``/``off``: forced."""
+    """``auto``: on when the planner predicts a gain; ``on``: whenever a block is frozen;
+    ``off``: never. Either way it stays off when the training transform is random, unless
+    ``allow_random_transform`` is set."""
+    allow_random_transform: bool = False
+    """Cache even though the training transform is random (``data.augment``): the cache then
+    keeps one augmented view per sample, so the frozen prefix stops seeing new views."""
+    min_frozen: int | None = Field(default=None, gt=0)
+    """With ``mode=auto``: ``pipeline.policy=paper`` turns the cache on from this many frozen
+    blocks (the paper's code used 3); ``policy=cost`` never turns it on before, and after only
+    where it predicts a gain. None: ``paper`` turns it on where a cache read first beats the
+    prefix's forward in the cost model."""
+    block_size: int = Field(default=64, gt=0)
+    """Samples per cache object: the training set is cut into fixed random groups of at least
+    this many samples, each stored as one object per depth (so a run over a million samples
+    holds about 16k objects, not a million)."""
+    order: Literal["auto", "blocks", "samples"] = "auto"
+    """Training sample order. ``blocks``: each epoch shuffles the cache blocks and the samples
+    within each block, so a step reads few objects; ``samples``: a plain permutation (the order
+    without a cache). ``auto``: ``blocks`` when the cache can turn on during the run."""
+    budget_fraction: float = Field(default=0.5, gt=0, le=1)
+    """Most of the cache node's object store the cache may fill; past it, new entries are
+    refused and served as misses."""
+    budget_bytes: int | None = Field(default=None, gt=0)
+    """A fixed byte budget instead of ``budget_fraction``."""
+    spill_directory: Path | None = None
+    """Where an embedded Ray cluster spills objects to disk when its store is full (None:
+    Ray's session directory). Ignored when attaching to a running cluster."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML reads a bare on/off (``--set cache.mode=on``, ``mode: off``) as a boolean.
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+
+class LoggingConfig(_Section):
+    """What a run writes besides config.yaml and summary.json, and what it shows while it runs."""
+
+    report: bool = True
+    """Render ``report.png`` (the timeline plot of ``pt-ray report``) into the run folder."""
+    tensorboard: bool = False
+    """Write the timeline as TensorBoard scalars into ``<run folder>/tensorboard``."""
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    """Per-epoch progress on rank 0: ``bar`` redraws in place, ``lines`` writes a line per
+    quarter of a long epoch, ``auto``: a bar on a terminal, lines elsewhere; ``off``: none."""
 
 
 class RunConfig(_Section):
@@ -235,6 +289,7 @@ class RunConfig(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global"
     """``fixed_global``: the global batch stays ``data.batch_size`` and each of R replicas takes
     ``B / R`` (numerically the same as one process); ``per_replica``: each replica takes

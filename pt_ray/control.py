@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from statistics import median
-from typing import Any
+from typing import Any, Literal
 
 from pt_ray.config import RunConfig
-from pt_ray.costplan import CostModelPlanner
+from pt_ray.costplan import CostModelPlanner, cache_break_even
 from pt_ray.freeze import FreezePolicy, build_freeze_policy
 from pt_ray.hwprofile import load_hardware
 from pt_ray.plan import CostTable, LayerCost, Plan, Planner
 from pt_ray.summary import EpochRecord
 
 __all__ = [
+    "CachePolicy",
     "ControlState",
     "build_control_state",
+    "cache_policy",
     "merge_costs",
     "policy_for",
     "transition_line",
@@ -57,11 +59,63 @@ def merge_costs(tables: list[CostTable]) -> CostTable:
 
 def transition_line(label: str, old: Plan, new: Plan) -> str:
     """``epoch 3: frozen 4 -> 7 of 12 blocks; K 4 -> 2, R 1 -> 2, M 8``."""
-    return (
+    line = (
         f"{label}: frozen {old.num_frozen} -> {new.num_frozen} of {new.num_layers} blocks; "
         f"K {old.pipeline_length} -> {new.pipeline_length}, "
         f"R {old.num_replicas} -> {new.num_replicas}, M {new.num_microbatches}"
     )
+    if old.cache != new.cache:
+        line += f", cache {'off -> on' if new.cache else 'on -> off'}"
+    return line
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """What the activation cache may do in a run (from the config and the dataset).
+
+    Attributes:
+        mode: ``off`` (never), ``on`` (whenever a block is frozen) or ``auto`` (when predicted
+            to pay).
+        order: the training order: ``blocks`` (cache blocks kept whole) or ``samples``.
+        reason: why, in words, for the run log.
+    """
+
+    mode: Literal["auto", "on", "off"]
+    order: Literal["blocks", "samples"]
+    reason: str
+
+
+def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
+    """Whether the cache may turn on in this run, and the sample order that follows.
+
+    The cache is only valid when the frozen prefix sees the same input every epoch: with a random
+    training transform it would freeze one augmented view, so it stays off unless the user opts
+    in. The order is a function of the config alone, so the reference trainer, every rank and
+    a resumed run agree on it.
+
+    Args:
+        cfg: the run configuration.
+        deterministic_transform: the training split's ``deterministic_transform``.
+    """
+    c, f = cfg.cache, cfg.freeze
+    if c.mode == "off":
+        mode, reason = "off", "cache.mode=off"
+    elif f.policy == "none" or f.max_frozen == 0:
+        mode, reason = "off", (f"nothing ever freezes (freeze.policy={f.policy}, "
+                               f"max_frozen={f.max_frozen})")
+    elif not deterministic_transform and not c.allow_random_transform:
+        mode, reason = "off", (
+            "the training transform is random (data.augment=true), so cached activations "
+            "would keep one augmented view per sample; set cache.allow_random_transform=true "
+            "to cache anyway")
+    else:
+        mode = c.mode
+        reason = ("cache.mode=on: on whenever a block is frozen" if mode == "on" else
+                  "cache.mode=auto: on when the planner predicts a gain")
+        if not deterministic_transform:
+            reason += " (random transform allowed by cache.allow_random_transform)"
+    order = c.order if c.order != "auto" else ("samples" if mode == "off" else "blocks")
+    return CachePolicy(mode, order, reason)
 
 
 class ControlState:
@@ -224,6 +278,7 @@ def build_control_state(
     num_workers: int,
     steps_per_epoch: int,
     hardware: str = "local-cpu",
+    deterministic_transform: bool = True,
 ) -> ControlState:
     """The controller's state for a run: its freeze policy and planner from the config.
 
@@ -234,8 +289,13 @@ def build_control_state(
             elastic restart).
         steps_per_epoch: optimizer steps per epoch at the configured batch size.
         hardware: the profile ``pipeline.hardware=auto`` resolves to on these workers.
+        deterministic_transform: whether the training split's transform is deterministic
+            (the activation cache is only valid then, unless the user opts in).
     """
     policy = policy_for(cfg, num_layers, steps_per_epoch)
+    cache = cache_policy(cfg, deterministic_transform)
+    logger.info("activation cache %s: %s", "off" if cache.mode == "off" else "allowed",
+                cache.reason)
     p = cfg.pipeline
     k0 = p.pipeline_length if isinstance(p.pipeline_length, int) else None
     if k0 is not None and num_workers % k0:
@@ -252,13 +312,13 @@ def build_control_state(
             return Planner(num_workers, costs, batch_size=cfg.data.batch_size,
                            batch_policy=cfg.batch_policy, schedule=p.schedule,
                            initial_pipeline_length=k0, num_microbatches=forced_m,
-                           memory_budget=budget)
+                           memory_budget=budget,
+                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw_name))
         planner = CostModelPlanner(
             num_workers, costs, load_hardware(hw_name), batch_size=cfg.data.batch_size,
             batch_policy=cfg.batch_policy, schedule=p.schedule, initial_pipeline_length=k0,
-            num_microbatches=forced_m, memory_budget=budget,
-            # The activation cache is not wired into the engine yet.
-            cache="off",
+            num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
+            cache_min_frozen=cfg.cache.min_frozen or 1,
         )
         if budget is None:
             # DESIGN.md: by default a stage may hold what the largest stage held at the start.
@@ -267,3 +327,19 @@ def build_control_state(
 
     label = "epoch" if cfg.freeze.interval == "epoch" else "interval"
     return ControlState(num_workers, policy, make_planner, decision_label=label)
+
+
+def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw_name: str) -> int | None:
+    """The paper policy's cache threshold: every frozen depth (``on``), ``cache.min_frozen``,
+    or where a cache read first beats recomputing the prefix (``auto``)."""
+    if mode == "off":
+        return None
+    if mode == "on":
+        return 1
+    if cfg.cache.min_frozen is not None:
+        return cfg.cache.min_frozen
+    even = cache_break_even(costs, load_hardware(hw_name))
+    if even is not None:
+        logger.info("cache.mode=auto: the cache turns on from %d frozen blocks, where a read "
+                    "beats the prefix's forward", even)
+    return even

@@ -24,7 +24,7 @@ from pt_ray.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, st
 from pt_ray.partition import Partition, partition
 from pt_ray.plan import CostTable, Plan, divisors
 
-__all__ = ["CostModelPlanner"]
+__all__ = ["CostModelPlanner", "cache_break_even"]
 
 _FIT = 1 + 1e-9
 
@@ -45,6 +45,8 @@ class CostModelPlanner:
             the configured start needs with its leanest M if that is more (it always fits).
         cache: ``auto`` (on when predicted faster), ``on`` (whenever something is frozen),
             ``off``.
+        cache_min_frozen: with ``cache=auto``, the cache stays off below this many frozen
+            blocks.
         runtime: how the runtime runs the prefix and writes the cache.
         optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
             gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
@@ -69,6 +71,7 @@ class CostModelPlanner:
         num_microbatches: int | None = None,
         memory_budget: float | None = None,
         cache: Literal["auto", "on", "off"] = "auto",
+        cache_min_frozen: int = 1,
         runtime: Runtime = PT_RAY,
         optimizer_state_factor: float = 4.0,
         activation_memory_factor: float = 24.0,
@@ -92,6 +95,7 @@ class CostModelPlanner:
         self.schedule = schedule
         self.forced_microbatches = num_microbatches
         self.cache = cache
+        self.cache_min_frozen = cache_min_frozen
         self.runtime = runtime
         self.optimizer_state_factor = optimizer_state_factor
         self.activation_memory_factor = activation_memory_factor
@@ -210,8 +214,10 @@ class CostModelPlanner:
         active = self.costs.num_layers - num_frozen
         ks = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
         caches = [False]
-        if num_frozen > 0 and self.cache != "off":
-            caches = [True] if self.cache == "on" else [False, True]
+        if num_frozen > 0 and self.cache == "on":
+            caches = [True]
+        elif num_frozen >= max(1, self.cache_min_frozen) and self.cache == "auto":
+            caches = [False, True]
         best, best_rate = None, -1.0
         for k in ks:
             for cache in caches:
@@ -259,7 +265,7 @@ class CostModelPlanner:
             num_workers, self.costs, self.hw, batch_size=self.batch_size,
             batch_policy=self.batch_policy, schedule=self.schedule,
             num_microbatches=self.forced_microbatches, memory_budget=self.memory_budget,
-            cache=self.cache, runtime=self.runtime,
+            cache=self.cache, cache_min_frozen=self.cache_min_frozen, runtime=self.runtime,
             optimizer_state_factor=self.optimizer_state_factor,
             activation_memory_factor=self.activation_memory_factor,
             max_microbatches_per_stage=self.max_microbatches_per_stage,
@@ -267,3 +273,21 @@ class CostModelPlanner:
         )
         return replace(planner._choose(prev.num_frozen, num_workers),
                        generation=prev.generation + 1)
+
+
+def cache_break_even(
+    costs: CostTable, hw: HardwareProfile, runtime: Runtime = PT_RAY
+) -> int | None:
+    """The fewest frozen blocks at which reading one sample's cached prefix output is faster
+    than recomputing it (embedding + the frozen blocks' forward); None if it never is.
+
+    The 2021 code hard-coded 3 frozen blocks for every model; this is the comparison such a
+    threshold stands for. ``pipeline.policy=paper`` uses it for ``cache.mode=auto``.
+    """
+    per = 1.0 / costs.samples
+    forward = costs.embed.forward_s * per
+    for n, block in enumerate(costs.blocks, start=1):
+        forward += block.forward_s * per
+        if block.activation_bytes / runtime.cache_rate(hw) < forward:
+            return n
+    return None

@@ -192,6 +192,9 @@ class Planner:
             forward; 0: ignored, which is what the 2021 code did in effect).
         optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
             gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
+        cache_from: turn the activation cache on in plans with at least this many frozen
+            blocks (the paper's code: 3); None: never. While the cache serves it, the frozen
+            prefix weighs nothing on stage 0.
     """
 
     def __init__(
@@ -207,7 +210,10 @@ class Planner:
         memory_budget: float | None = None,
         frozen_weight: float = 1.0,
         optimizer_state_factor: float = 4.0,
+        cache_from: int | None = None,
     ) -> None:
+        if cache_from is not None and cache_from < 1:
+            raise ValueError(f"cache_from={cache_from} must be at least 1 (a frozen block) or None")
         k0 = num_workers if initial_pipeline_length is None else initial_pipeline_length
         if num_workers % k0:
             raise ValueError(
@@ -229,6 +235,7 @@ class Planner:
         self.forced_microbatches = num_microbatches
         self.frozen_weight = frozen_weight
         self.optimizer_state_factor = optimizer_state_factor
+        self.cache_from = cache_from
         self.memory_budget = (
             memory_budget
             if memory_budget is not None
@@ -246,9 +253,13 @@ class Planner:
     def _time(self, c: LayerCost, frozen: bool) -> float:
         return c.forward_s * self.frozen_weight if frozen else c.forward_s + c.backward_s
 
+    def cached(self, num_frozen: int) -> bool:
+        """Whether plans with ``num_frozen`` frozen blocks read the prefix from the cache."""
+        return self.cache_from is not None and num_frozen >= self.cache_from
+
     def _partition(self, num_frozen: int, k: int) -> Partition:
         c = self.costs
-        prefix = self._time(c.embed, num_frozen > 0) + sum(
+        prefix = 0.0 if self.cached(num_frozen) else self._time(c.embed, num_frozen > 0) + sum(
             self._time(b, True) for b in c.blocks[:num_frozen]
         )
         active = [self._time(b, False) for b in c.blocks[num_frozen:]]
@@ -304,6 +315,7 @@ class Planner:
             boundaries=tuple(num_frozen + b for b in part.boundaries),
             num_microbatches=self.microbatches_for(k, r),
             schedule=self.schedule,
+            cache=self.cached(num_frozen),
             stage_loads=part.loads,
         )
 
@@ -351,11 +363,11 @@ class Planner:
             memory_budget=self.memory_budget,
             frozen_weight=self.frozen_weight,
             optimizer_state_factor=self.optimizer_state_factor,
+            cache_from=self.cache_from,
         )
         k = planner.pipeline_length_for(prev.num_frozen, planner.initial_pipeline_length)
-        plan = planner._make(prev.generation + 1, prev.num_frozen, k,
+        return planner._make(prev.generation + 1, prev.num_frozen, k,
                              planner._partition(prev.num_frozen, k))
-        return replace(plan, cache=prev.cache)
 
 
 # -- ownership and migration (pure: which rank holds what, and what must move) --------------------

@@ -29,10 +29,16 @@ class EpochRecord:
         throughput_samples_per_s: training samples per second of training time.
         epoch_time_s: wall time of the epoch's training steps (evaluation excluded).
         transition_time_s: wall time spent in transitions during the epoch.
-        cache_hit_rate: fraction of frozen-prefix outputs served by the cache (0 when off).
+        cache_hit_rate: fraction of the frozen prefix's outputs the cache served: read at the
+            current depth, or read at an older one and advanced through the blocks frozen
+            since (0 when off).
         train_loss: mean training loss over the epoch's steps.
         eval_metric: the eval metric after the epoch (accuracy for classification).
         eval_time_s: wall time of the evaluation.
+        cache_saved_s: estimated wall time the cache saved in the epoch against recomputing
+            the frozen prefix (per replica, net of the time spent reading the cache).
+        cache_bytes: bytes the cache held at the end of the epoch.
+        cache_objects: objects the cache held at the end of the epoch.
     """
 
     epoch: int
@@ -48,16 +54,24 @@ class EpochRecord:
     train_loss: float
     eval_metric: float
     eval_time_s: float = 0.0
+    cache_saved_s: float = 0.0
+    cache_bytes: int = 0
+    cache_objects: int = 0
 
 
 def format_epoch(rec: EpochRecord, epochs: int, metric_name: str) -> str:
-    """One line a person can follow: epoch, loss, metric, frozen blocks, K, R, throughput."""
-    return (
+    """One line a person can follow: epoch, loss, metric, frozen blocks, K, R, throughput, and
+    the cache's hit rate and size when it holds anything."""
+    line = (
         f"epoch {rec.epoch + 1:>3}/{epochs}  loss {rec.train_loss:.4f}  "
         f"{metric_name} {rec.eval_metric:.4f}  frozen {rec.num_frozen:>2}/{rec.num_layers}  "
         f"K {rec.pipeline_length} R {rec.num_replicas} M {rec.num_microbatches}  "
         f"{rec.throughput_samples_per_s:,.0f} samples/s  ({rec.epoch_time_s:.2f} s)"
     )
+    if rec.cache_objects or rec.cache_hit_rate:
+        line += (f"  cache {rec.cache_hit_rate:.0%} hits, {rec.cache_bytes / 2**20:.1f} MiB in "
+                 f"{rec.cache_objects} objects, saved {rec.cache_saved_s:.2f} s")
+    return line
 
 
 def ideal_speedup(timeline: list[EpochRecord] | list[dict], cached: bool = False) -> float:

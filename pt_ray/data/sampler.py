@@ -6,6 +6,11 @@ Pure module (numpy only; no torch.distributed, no ray). The epoch's order is a f
 therefore never changes which samples a step covers, so a pipeline x data-parallel run sees the
 same data as the single-process reference trainer, and each epoch reshuffles (the 2021 code
 forgot ``set_epoch`` and repeated one order).
+
+With the activation cache the order keeps cache blocks whole (:class:`CacheBlocks`): the
+training set is cut once into fixed random groups of samples, each cached as one object, and
+every epoch shuffles the groups and the samples within each group. A step then reads one or two
+objects instead of one per sample.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import math
 
 import numpy as np
 
-__all__ = ["GlobalSampler", "eval_shards", "split_for_replica"]
+__all__ = ["CacheBlocks", "GlobalSampler", "eval_shards", "split_for_replica"]
+
+# Seeds the block membership apart from the per-epoch streams ``[seed, epoch]``.
+_BLOCK_STREAM = 0xB10C
 
 
 def _check_replica(replica: int, num_replicas: int) -> None:
@@ -43,6 +51,53 @@ def split_for_replica(indices: np.ndarray, replica: int, num_replicas: int) -> n
     return np.array_split(np.asarray(indices), num_replicas)[replica]
 
 
+class CacheBlocks:
+    """The activation cache's blocks: fixed random groups of samples, one object each.
+
+    ``num_samples // block_size`` blocks (at least one) of a seeded permutation, so every block
+    holds ``block_size`` samples or a few more (the remainder is spread over the blocks, which
+    keeps the object count at most ``num_samples / block_size``). Membership is random, not by
+    index range: a dataset stored class by class (an image folder) still gives mixed batches.
+
+    Args:
+        num_samples: size of the training split.
+        block_size: least samples per block.
+        seed: the run seed.
+    """
+
+    def __init__(self, num_samples: int, block_size: int, seed: int) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"num_samples={num_samples} must be positive; the split is empty")
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be a positive integer")
+        self.num_samples = num_samples
+        self.block_size = block_size
+        self.num_blocks = max(1, num_samples // block_size)
+        perm = np.random.default_rng([seed, _BLOCK_STREAM]).permutation(num_samples)
+        self.members = [np.sort(m) for m in np.array_split(perm, self.num_blocks)]
+        """Per block, its sample indices, ascending (int64)."""
+        self.block_of = np.empty(num_samples, dtype=np.int64)
+        """``[num_samples]``: the block of each sample."""
+        for b, m in enumerate(self.members):
+            self.block_of[m] = b
+
+    def size(self, block: int) -> int:
+        """Samples in ``block``."""
+        return len(self.members[block])
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        """An epoch's order that keeps blocks whole: the blocks in a random order, each block's
+        samples in a random order; a function of ``(seed, epoch)``.
+
+        Returns:
+            ``[num_samples]`` int64, a permutation of ``range(num_samples)``.
+        """
+        rng = np.random.default_rng([seed, epoch, _BLOCK_STREAM])
+        rank = rng.permutation(self.num_blocks)
+        # Sort by (the block's rank this epoch, a random key within the block).
+        return np.lexsort((rng.random(self.num_samples), rank[self.block_of])).astype(np.int64)
+
+
 class GlobalSampler:
     """The global sample order of a run, independent of the pipeline/data-parallel plan.
 
@@ -52,6 +107,8 @@ class GlobalSampler:
         seed: the run seed (non-negative); with the epoch it fixes the order.
         drop_last: drop the last incomplete batch of an epoch (default). Without it the last
             step is shorter and is split across replicas as evenly as possible.
+        blocks: keep these cache blocks whole in each epoch's order (:meth:`CacheBlocks.order`);
+            None: a plain permutation.
 
     Raises:
         ValueError: a non-positive size, a negative seed, or (with ``drop_last``) a batch
@@ -59,7 +116,12 @@ class GlobalSampler:
     """
 
     def __init__(
-        self, num_samples: int, batch_size: int, seed: int, drop_last: bool = True
+        self,
+        num_samples: int,
+        batch_size: int,
+        seed: int,
+        drop_last: bool = True,
+        blocks: CacheBlocks | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples={num_samples} must be positive; the split is empty")
@@ -77,6 +139,12 @@ class GlobalSampler:
         self.batch_size = batch_size
         self.seed = seed
         self.drop_last = drop_last
+        if blocks is not None and blocks.num_samples != num_samples:
+            raise ValueError(
+                f"blocks cover {blocks.num_samples} samples but the split has {num_samples}; "
+                "build CacheBlocks for this split"
+            )
+        self.blocks = blocks
         self._cached: tuple[int, np.ndarray] | None = None
 
     @property
@@ -94,7 +162,8 @@ class GlobalSampler:
         return self.num_samples
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The epoch's permutation of ``range(num_samples)``, a function of (seed, epoch) only.
+        """The epoch's permutation of ``range(num_samples)``, a function of (seed, epoch) only
+        (and of the cache blocks, when given).
 
         Returns:
             ``[num_samples]`` int64 (read-only; copy before modifying).
@@ -103,8 +172,11 @@ class GlobalSampler:
             raise ValueError(f"epoch={epoch} must be non-negative")
         if self._cached is not None and self._cached[0] == epoch:
             return self._cached[1]
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-        order = order.astype(np.int64, copy=False)
+        if self.blocks is not None:
+            order = self.blocks.order(self.seed, epoch)
+        else:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            order = order.astype(np.int64, copy=False)
         order.flags.writeable = False
         self._cached = (epoch, order)
         return order
@@ -146,7 +218,8 @@ class GlobalSampler:
     def __repr__(self) -> str:
         return (
             f"GlobalSampler(num_samples={self.num_samples}, batch_size={self.batch_size}, "
-            f"seed={self.seed}, drop_last={self.drop_last})"
+            f"seed={self.seed}, drop_last={self.drop_last}, "
+            f"blocks={None if self.blocks is None else self.blocks.block_size})"
         )
 
 

@@ -9,7 +9,9 @@ One step (DESIGN.md, "How one run flows"):
 
 1. the global sampler gives the step's indices; replica ``r`` of ``R`` takes its contiguous
    slice (``B / R`` samples under ``fixed_global``);
-2. stage 0 runs the frozen prefix (``no_grad``, eval mode) and its active blocks; the schedule
+2. stage 0 runs the frozen prefix (``no_grad``, eval mode), or with the activation cache on
+   takes it from the cache for the whole replica batch before the schedule
+   (:class:`pt_ray.runtime.prefix.CachedPrefix`), then its active blocks; the schedule
    (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
    and the loss; K = 1 runs without a pipeline;
 3. gradients of trained parameters are averaged over the stage's data-parallel group (frozen ones
@@ -22,21 +24,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from pt_ray.config import RunConfig
-from pt_ray.control import ControlState
+from pt_ray.control import cache_policy
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
-from pt_ray.data.sampler import GlobalSampler, eval_shards, split_for_replica
+from pt_ray.data.sampler import CacheBlocks, eval_shards, split_for_replica
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.plan import CostTable, Plan, is_trainable
+from pt_ray.runtime.cache import ActivationStore, training_sampler
 from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
+from pt_ray.runtime.controller import Controller, LocalController
 from pt_ray.runtime.migrate import LayerStates, collect_layer_state, migrate
 from pt_ray.runtime.optim import build_optimizer, layer_param_groups, lr_factor, set_lr
+from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
 from pt_ray.runtime.stages import StageModule, build_schedule
@@ -47,49 +51,6 @@ from pt_ray.summary import EpochRecord
 __all__ = ["Controller", "ElasticWorker", "LocalController"]
 
 logger = logging.getLogger(__name__)
-
-
-class Controller(Protocol):
-    """What a worker needs from the controller (the Ray actor, or :class:`LocalController`)."""
-
-    def submit_costs(self, rank: int, costs: CostTable) -> None: ...
-
-    def plan_for(self, decision: int) -> Plan:
-        """The plan from decision ``decision`` on; blocks until it is decided."""
-        ...
-
-    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None: ...
-
-    def record(self, rec: EpochRecord) -> None: ...
-
-
-class LocalController:
-    """A controller without Ray: every rank keeps an identical :class:`ControlState` and feeds it
-    the same inputs, exchanged with ``all_gather_object`` over WORLD."""
-
-    def __init__(self, state: ControlState) -> None:
-        self.state = state
-
-    def submit_costs(self, rank: int, costs: CostTable) -> None:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, costs)
-        for r, c in enumerate(gathered):
-            self.state.submit_costs(r, c)
-
-    def plan_for(self, decision: int) -> Plan:
-        plan = self.state.plan_for(decision)
-        if plan is None:
-            raise RuntimeError(f"decision {decision} asked before its inputs were submitted")
-        return plan
-
-    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, norms)
-        for r, n in enumerate(gathered):
-            self.state.submit_norms(decision, r, n)
-
-    def record(self, rec: EpochRecord) -> None:
-        self.state.record(rec)
 
 
 class ElasticWorker:
@@ -104,6 +65,8 @@ class ElasticWorker:
         costs: a fixed cost table (skips profiling; for tests and forced layouts).
         on_step: called as ``on_step(epoch, step)`` before every training step (progress
             reporting, fault injection in tests).
+        store: the activation cache's store (None: the frozen prefix is always recomputed,
+            whatever the plans say).
     """
 
     def __init__(
@@ -116,6 +79,7 @@ class ElasticWorker:
         device: torch.device | None = None,
         costs: CostTable | None = None,
         on_step: Callable[[int, int], None] | None = None,
+        store: ActivationStore | None = None,
     ) -> None:
         self.cfg = cfg
         self.on_step = on_step
@@ -127,7 +91,13 @@ class ElasticWorker:
         self.world = dist.get_world_size()
         self.modules = dict(iter_layers(adapter))
         self.fixed_costs = costs
-        self.sampler = GlobalSampler(len(splits.train), cfg.data.batch_size, cfg.seed)
+        deterministic = splits.train.deterministic_transform
+        self.sampler = training_sampler(cfg, len(splits.train), deterministic)
+        self.prefix: CachedPrefix | None = None
+        if store is not None and cache_policy(cfg, deterministic).mode != "off":
+            blocks = self.sampler.blocks or CacheBlocks(len(splits.train), cfg.cache.block_size,
+                                                        cfg.seed)
+            self.prefix = CachedPrefix(adapter, store, blocks, self.device, costs)
         self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
         self.plan: Plan | None = None
         self.topo: Topology | None = None
@@ -150,6 +120,8 @@ class ElasticWorker:
             batch = gather(self.splits.train, list(range(min(n, len(self.splits.train)))))
             batch = _to(batch, self.device)
             costs = profile_costs(self.adapter, batch)
+            if self.prefix is not None:
+                self.prefix.set_costs(costs)
         self.controller.submit_costs(self.rank, costs)
         self.apply_plan(self.controller.plan_for(0))
 
@@ -175,7 +147,8 @@ class ElasticWorker:
                 p.grad = None
         self.topo = Topology.build(plan)
         stage = self.topo.stage
-        self.stage = StageModule(self.adapter, plan, stage)
+        cached = plan.cache and self.prefix is not None and stage == 0 and plan.num_frozen > 0
+        self.stage = StageModule(self.adapter, plan, stage, state_inputs=cached)
         trained = [n for n in plan.stage_layers(stage) if is_trainable(plan, n)]
         self.optimizer = build_optimizer(
             self.cfg.optimizer,
@@ -220,15 +193,22 @@ class ElasticWorker:
         set_lr(self.optimizer, cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
         first, last = topo.is_first_stage, topo.is_last_stage
-        batch = _to(gather(self.splits.train, mine.tolist()), self.device) if first or last else None
+        batch = _to(gather(self.splits.train, mine.tolist()), self.device) if last else None
+        args = ()
+        if first and self.stage.state_inputs:
+            args = self.prefix(plan.num_frozen, mine, self._loader(mine, batch))
+        elif first:
+            if batch is None:
+                batch = _to(gather(self.splits.train, mine.tolist()), self.device)
+            args = batch.inputs
         loss = 0.0
         if self.schedule is None:
-            out = self.stage(*batch.inputs)
+            out = self.stage(*args)
             value = self.adapter.loss(out, batch.target)
             value.backward()
             loss = float(value.detach())
         elif first:
-            self.schedule.step(*batch.inputs)
+            self.schedule.step(*args)
         elif last:
             losses: list[torch.Tensor] = []
             self.schedule.step(target=batch.target, losses=losses)
@@ -244,6 +224,13 @@ class ElasticWorker:
         self.global_step += 1
         self.samples_seen += len(indices)
         return loss / r if last else 0.0
+
+    def _loader(self, mine: np.ndarray, batch):
+        """``load(rows)``: model inputs of rows of the replica batch ``mine`` (from ``batch``
+        when this rank loaded it anyway, else read now: a cache hit loads nothing)."""
+        if batch is not None:
+            return lambda rows: tuple(t[torch.from_numpy(rows).to(t.device)] for t in batch.inputs)
+        return lambda rows: _to(gather(self.splits.train, mine[rows].tolist()), self.device).inputs
 
     def _submit_norms(self, interval: int) -> None:
         self.controller.submit_norms(interval, self.rank, self.norms.mean())
@@ -286,8 +273,11 @@ class ElasticWorker:
             offset += size
             steps += 1
         epoch_time = time.perf_counter() - t0
+        cache = epoch_counters(self.prefix)
+        dist.all_reduce(cache, op=dist.ReduceOp.SUM)  # after it, every rank's writes landed
+        held = store_figures(self.prefix, self.rank)
         metric, eval_time = self.evaluate()
-        totals = torch.tensor([loss_sum, 0.0])
+        totals = torch.tensor([loss_sum, *held], dtype=torch.float64)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
         times = torch.tensor([epoch_time, transition])
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -301,10 +291,14 @@ class ElasticWorker:
             throughput_samples_per_s=offset / max(float(times[0]), 1e-9),
             epoch_time_s=float(times[0]),
             transition_time_s=float(times[1]),
-            cache_hit_rate=0.0,
+            cache_hit_rate=float(cache[1] / cache[0]) if cache[0] else 0.0,
             train_loss=float(totals[0]) / max(steps, 1),
             eval_metric=metric,
             eval_time_s=eval_time,
+            # Replicas run side by side: the wall time saved is the mean over them.
+            cache_saved_s=float(cache[2] / cache[3]) if cache[3] else 0.0,
+            cache_bytes=int(totals[1]),
+            cache_objects=int(totals[2]),
         )
         if not by_steps:
             # Interval `epoch` ends here; its norms feed the next epoch's decision.
@@ -344,7 +338,10 @@ class ElasticWorker:
         nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
         for idx in eval_shards(n, size, topo.replica, plan.num_replicas):
             if topo.is_first_stage:
-                out = self.stage(*_to(gather(self.splits.eval, idx.tolist()), self.device).inputs)
+                inputs = _to(gather(self.splits.eval, idx.tolist()), self.device).inputs
+                if self.stage.state_inputs:  # the cache holds training samples only
+                    inputs = self.stage.run_prefix(*inputs)
+                out = self.stage(*inputs)
             else:
                 out = self.stage(*recv_tensors(prev, self.device))
             if nxt is not None:
@@ -421,6 +418,13 @@ class ElasticWorker:
         blocks = set(plan.stage_blocks(stage))
         self.norms.sums.update({b: v for b, v in norms["sums"].items() if b in blocks})
         self.norms.steps = norms["steps"]
+        if self.prefix is not None:
+            # Entries deeper than the checkpoint's prefix came from training this resume
+            # replays, perhaps to a different decision; writes still in flight too. Every rank
+            # drops them (idempotent on a shared store), then all write under the last lineage.
+            self.prefix.store.invalidate_above(plan.num_frozen)
+            dist.barrier()
+            self.prefix.store.attach()
         self.apply_plan(plan, restored=states)
         return meta["epoch"] + 1
 

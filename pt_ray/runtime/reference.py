@@ -27,11 +27,11 @@ from pt_ray.config import RunConfig
 from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
-from pt_ray.data.sampler import GlobalSampler
 from pt_ray.control import policy_for
 from pt_ray.freeze import FreezePolicy
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers, layer_module
 from pt_ray.models.registry import build_adapter
+from pt_ray.runtime.cache import training_sampler
 from pt_ray.runtime.optim import (
     build_optimizer,
     layer_param_groups,
@@ -142,7 +142,9 @@ class ReferenceTrainer:
         self.cfg = cfg
         self.splits = splits or build_dataset(cfg.data, seed=cfg.seed)
         self.adapter = adapter or build_model_for(cfg, self.splits)
-        self.sampler = GlobalSampler(len(self.splits.train), cfg.data.batch_size, cfg.seed)
+        # The run's order (cache blocks kept whole when the cache may turn on), as the engine's.
+        self.sampler = training_sampler(cfg, len(self.splits.train),
+                                        self.splits.train.deterministic_transform)
         self.policy = policy or policy_for(cfg, self.adapter.num_layers,
                                            self.sampler.steps_per_epoch)
         self.optimizer = build_optimizer(

@@ -4,7 +4,9 @@ Stages are built by slicing the adapter's block list (never by tracing): stage 0
 prefix (embedding plus blocks ``0..n-1``, in eval mode under ``no_grad``) and, when nothing is
 frozen, the trainable embedding; every stage runs its active blocks; the last stage runs the
 head. The state tuple (hidden states, plus the attention mask for BERT-family models) travels
-between stages as the schedule's activations.
+between stages as the schedule's activations. When the activation cache serves the frozen
+prefix, stage 0 takes that state (computed for the whole replica batch before the schedule,
+:mod:`pt_ray.runtime.prefix`) instead of the model inputs.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class StageModule(nn.Module):
         adapter: the model (every rank holds all of it; a stage uses its slice).
         plan: the layout.
         stage: this stage's index in ``[0, K)``.
-        prefix: replaces the frozen prefix on stage 0 when given (the activation cache's hook):
-            ``prefix(*inputs) -> State``.
+        state_inputs: stage 0's forward takes the frozen prefix's output (the activation cache
+            serves it) instead of the model inputs; only with a frozen prefix.
     """
 
     def __init__(
@@ -42,14 +44,19 @@ class StageModule(nn.Module):
         adapter: ModelAdapter,
         plan: Plan,
         stage: int,
-        prefix: Callable[..., State] | None = None,
+        state_inputs: bool = False,
     ) -> None:
         super().__init__()
         self.is_first = stage == 0
         self.is_last = stage == plan.pipeline_length - 1
         n = plan.num_frozen
+        if state_inputs and not (self.is_first and n > 0):
+            raise ValueError(
+                f"state_inputs=True needs stage 0 of a plan with a frozen prefix; got stage "
+                f"{stage} with num_frozen={n}"
+            )
+        self.state_inputs = state_inputs
         self._frozen: list[nn.Module] = []
-        self._prefix = prefix
         if self.is_first:
             if n > 0:
                 self._frozen = [adapter.embed, *adapter.blocks[:n]]
@@ -62,8 +69,6 @@ class StageModule(nn.Module):
     def run_prefix(self, *inputs: torch.Tensor) -> State:
         """Stage 0's start: the frozen prefix (no gradients) or the trainable embedding."""
         if self._frozen:
-            if self._prefix is not None:
-                return self._prefix(*inputs)
             with torch.no_grad():
                 state = self._frozen[0](*inputs)
                 for block in self._frozen[1:]:
@@ -72,9 +77,10 @@ class StageModule(nn.Module):
         return self.embed(*inputs)
 
     def forward(self, *args: torch.Tensor) -> State | torch.Tensor:
-        """Stage 0: model inputs; other stages: the previous stage's state. Returns the next
-        state, or the model output on the last stage."""
-        state = self.run_prefix(*args) if self.is_first else args
+        """Stage 0: model inputs (the prefix's output with ``state_inputs``); other stages: the
+        previous stage's state. Returns the next state, or the model output on the last
+        stage."""
+        state = self.run_prefix(*args) if self.is_first and not self.state_inputs else args
         for block in self.blocks:
             state = block(*state)
         if self.is_last:

@@ -53,14 +53,16 @@ class ControllerActor:
         steps_per_epoch: int,
         metric_name: str,
         hardware: str,
+        deterministic_transform: bool = True,
     ) -> None:
         """Create the decision state on first call (idempotent; every rank calls it). A call with
         a different worker count (an elastic restart) replaces it; ``resume`` then restores.
-        ``hardware`` is what ``pipeline.hardware=auto`` means on the workers' devices."""
+        ``hardware`` is what ``pipeline.hardware=auto`` means on the workers' devices;
+        ``deterministic_transform`` whether the training data may be cached."""
         self.metric_name = metric_name
         if self.state is None or self.state.num_workers != num_workers:
             self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch,
-                                             hardware)
+                                             hardware, deterministic_transform)
 
     async def submit_costs(self, rank: int, costs: CostTable) -> None:
         self.state.submit_costs(rank, costs)
@@ -122,8 +124,10 @@ class RayController:
         steps_per_epoch: int,
         metric_name: str,
         hardware: str,
+        deterministic_transform: bool = True,
     ) -> None:
-        self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name, hardware)
+        self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name, hardware,
+                   deterministic_transform)
 
     def submit_costs(self, rank: int, costs: CostTable) -> None:
         self._call("submit_costs", rank, costs)

@@ -1,11 +1,12 @@
-"""The driver side of a run on Ray: cluster, controller actor and Ray Train's ``TorchTrainer``."""
+"""The driver side of a run on Ray: cluster, controller and cache actors, and Ray Train's
+``TorchTrainer``."""
 
 from __future__ import annotations
 
 import logging
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pt_ray.config import RunConfig
+from pt_ray.service.cache import CacheActor, cache_name, object_store_report
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.worker import train_loop_per_worker
 from pt_ray.summary import EpochRecord
@@ -39,6 +41,11 @@ def ensure_ray(cfg: RunConfig) -> bool:
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     need = cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker
+    spill = {}
+    if cfg.cache.spill_directory is not None:
+        cfg.cache.spill_directory.mkdir(parents=True, exist_ok=True)
+        # Hidden ray.init option in 2.60 (`ray start --object-spilling-directory` on clusters).
+        spill["object_spilling_directory"] = str(cfg.cache.spill_directory.resolve())
     ray.init(
         address="local",
         num_cpus=max(int(-(-need // 1)), os.cpu_count() or 1),
@@ -48,7 +55,10 @@ def ensure_ray(cfg: RunConfig) -> bool:
         dashboard_host="127.0.0.1",
         object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
         logging_level=logging.WARNING,
+        **spill,
     )
+    logger.info("object store %.0f MiB; spills to %s when full", _LOCAL_OBJECT_STORE_BYTES / 2**20,
+                spill.get("object_spilling_directory", "the Ray session directory"))
     return True
 
 
@@ -63,6 +73,8 @@ class RayRun:
         checkpoint_path: the latest checkpoint directory (shards + meta.json), if any.
         run_id: the unique Ray Train run name.
         restarts: worker-group restarts from a checkpoint during the run.
+        cache: the activation cache at the end (bytes, objects, refused rows, ...) and the
+            object store's figures (spilled bytes, ...); empty when the cache was off.
     """
 
     timeline: list[EpochRecord]
@@ -71,6 +83,7 @@ class RayRun:
     checkpoint_path: str | None
     run_id: str
     restarts: int
+    cache: dict[str, Any] = field(default_factory=dict)
 
 
 def run_on_ray(
@@ -101,6 +114,12 @@ def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
     controller = ControllerActor.options(name=controller_name(run_id)).remote(
         cfg.model_dump(mode="json")
     )
+    # The cache's owner outlives worker restarts (objects die with whoever put them). Whether
+    # the cache may really turn on (the dataset's transform) is the workers' call.
+    cache = None
+    if cfg.cache.mode != "off" and cfg.freeze.policy != "none":
+        cache = CacheActor.options(name=cache_name(run_id)).remote(
+            cfg.cache.budget_fraction, cfg.cache.budget_bytes)
     gpus = ray.cluster_resources().get("GPU", 0)
     use_gpu = gpus >= (p.min_workers or p.num_workers)
     workers: int | tuple[int, int] = (
@@ -109,7 +128,8 @@ def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"run": cfg.model_dump(mode="json"),
-                           "controller": controller_name(run_id)},
+                           "controller": controller_name(run_id),
+                           "cache": cache_name(run_id) if cache is not None else None},
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=use_gpu,
@@ -128,13 +148,34 @@ def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
     )
     logger.info("run %s: %s workers (%s) on Ray Train", run_id, workers,
                 "GPU/nccl" if use_gpu else "CPU/gloo")
+    cache_report: dict[str, Any] = {}
     try:
         result = trainer.fit()
         summary = ray.get(controller.summary.remote())
+        if cache is not None:
+            cache_report = _cache_report(cache)
     finally:
         ray.kill(controller)
+        if cache is not None:
+            ray.kill(cache)
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
-                  run_id, summary["restarts"])
+                  run_id, summary["restarts"], cache_report)
+
+
+def _cache_report(cache) -> dict[str, Any]:
+    """The cache actor's final figures and the object store's, logged in one line."""
+    try:
+        stats = asdict(ray.get(cache.stats.remote(), timeout=30))
+    except ray.exceptions.RayError as err:
+        logger.warning("activation cache: no final figures (%s)", type(err).__name__)
+        return {}
+    store = object_store_report()
+    logger.info(
+        "activation cache: %.1f MiB in %d objects (budget %.0f MiB), %d rows refused; "
+        "object store: %.1f MiB spilled to disk in %d objects", stats["bytes"] / 2**20,
+        stats["objects"], stats["budget_bytes"] / 2**20, stats["refused_rows"],
+        store.get("spilled_bytes", 0) / 2**20, store.get("spilled_objects", 0))
+    return {**stats, "object_store": store}

@@ -28,6 +28,7 @@ from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.checkpoint import read_meta, write_meta
 from pt_ray.runtime.engine import ElasticWorker
 from pt_ray.runtime.reference import build_model_for
+from pt_ray.service.cache import RayStore
 from pt_ray.service.controller import RayController
 from pt_ray.summary import format_epoch
 
@@ -76,7 +77,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
     Args:
-        config: ``{"run": RunConfig as a dict, "controller": actor name}``.
+        config: ``{"run": RunConfig as a dict, "controller": actor name, "cache": the cache
+            actor's name or None}``.
     """
     setup_logging()
     logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -89,9 +91,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     controller = RayController(config["controller"])
     device = _device()
     controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
-                     adapter.metric_name, "local-cpu" if device.type == "cpu" else _GPU_PROFILE)
+                     adapter.metric_name, "local-cpu" if device.type == "cpu" else _GPU_PROFILE,
+                     splits.train.deterministic_transform)
+    store = RayStore(config["cache"]) if config.get("cache") else None
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, on_step=_fault_hook(rank))
+                           device=device, on_step=_fault_hook(rank), store=store)
 
     first_epoch = 0
     checkpoint = ray.train.get_checkpoint()

@@ -1,0 +1,148 @@
+"""Object count and bytes of the activation cache for a synthetic run over many samples.
+
+Drives the real cache path (``CachedPrefix`` on each replica's stage 0, ``RayStore`` handles,
+one ``CacheActor`` owning the objects, the block-preserving order of ``CacheBlocks``) with a
+stand-in model: the "embedding" turns a sample index ``i`` into a ``[tokens, width]`` state
+filled with ``10 i`` and each "frozen block" adds 1, so every row read back can be checked.
+Each replica is a Ray actor (its own process) and takes its share of each global batch.
+Three epochs:
+
+  1. depth 1, cold: every row is computed and written (misses);
+  2. depth 2: every row is read at depth 1 (written by either replica), advanced through one
+     block and written at depth 2, which releases depth 1 block by block;
+  3. depth 2: every row is a hit.
+
+Reports objects and bytes after each epoch (one object per sample would be ``--samples``
+objects; the cache keeps at most ``samples / block_size``), hit rates and timings; writes
+``<out>/cache_objects.json``. Usage:
+
+    python bench/cache_objects.py [--samples 100000] [--block-size 64] [--batch 256]
+                                  [--replicas 2] [--tokens 5] [--width 64] [--out bench/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+import types
+import uuid
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from torch import nn
+
+from pt_ray.data.sampler import CacheBlocks
+from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.service.cache import CacheActor, RayStore, object_store_report
+
+
+class _Embed(nn.Module):
+    def __init__(self, tokens: int, width: int) -> None:
+        super().__init__()
+        self.shape = (tokens, width)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((ids.float() * 10).view(-1, 1, 1).expand(-1, *self.shape).contiguous(),)
+
+
+class _Block(nn.Module):
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden + 1,)
+
+
+@ray.remote(num_cpus=0)
+class Replica:
+    """Stage 0 of one replica."""
+
+    def __init__(self, name: str, blocks: CacheBlocks, tokens: int, width: int) -> None:
+        torch.set_num_threads(1)
+        model = types.SimpleNamespace(embed=_Embed(tokens, width), blocks=[_Block(), _Block()])
+        self.store = RayStore(name, timeout_s=60)
+        self.prefix = CachedPrefix(model, self.store, blocks, torch.device("cpu"))
+
+    def epoch(self, steps: list[np.ndarray], level: int) -> dict:
+        t0 = time.perf_counter()
+        for ids in steps:
+            ids = ids.copy()  # arguments arrive as read-only views of the object store
+            (state,) = self.prefix(level, ids, lambda rows, ids=ids: (torch.from_numpy(ids[rows]),))
+            want = torch.from_numpy(ids).float() * 10 + level
+            assert torch.equal(state[:, 0, 0], want), "a cached row differs from its value"
+            self.store.drain()  # pace like a training step: writes land before the next read
+        c = self.prefix.reset()
+        return {"rows": c.rows, "hits": c.hits, "advanced": c.advanced, "misses": c.misses,
+                "io_s": c.io_s, "epoch_s": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=100_000)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=256, help="global batch per step")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=5, help="state rows per sample")
+    ap.add_argument("--width", type=int, default=64, help="hidden size")
+    ap.add_argument("--store-mib", type=int, default=1024, help="object store of the cluster")
+    ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=max(2, args.replicas), include_dashboard=False,
+             object_store_memory=args.store_mib * 2**20, logging_level=logging.WARNING)
+    try:
+        name = f"bench-cache-{uuid.uuid4().hex[:6]}"
+        actor = CacheActor.options(name=name).remote(0.8)
+        blocks = CacheBlocks(args.samples, args.block_size, seed=0)
+        replicas = [Replica.remote(name, blocks, args.tokens, args.width)
+                    for _ in range(args.replicas)]
+        epochs = []
+        for epoch, level in enumerate((1, 2, 2)):
+            order = blocks.order(0, epoch)
+            steps = [order[s:s + args.batch] for s in range(0, len(order) - args.batch + 1,
+                                                             args.batch)]
+            shares = [[np.array_split(s, args.replicas)[r] for s in steps]
+                      for r in range(args.replicas)]
+            t0 = time.perf_counter()
+            per = ray.get([rep.epoch.remote(shares[r], level) for r, rep in enumerate(replicas)])
+            # As in training, incomplete blocks are stored once every replica ended the epoch.
+            ray.get(actor.flush.remote())
+            wall = time.perf_counter() - t0
+            stats = ray.get(actor.stats.remote())
+            total = {k: sum(p[k] for p in per) for k in ("rows", "hits", "advanced", "misses")}
+            epochs.append({
+                "epoch": epoch, "depth": level, **total,
+                "hit_rate": total["hits"] / max(total["rows"], 1),
+                "objects": stats.objects, "bytes": stats.bytes,
+                "pending_bytes": stats.pending_bytes, "refused_rows": stats.refused_rows,
+                "released_objects": stats.released_objects, "wall_s": wall,
+                "read_s_per_replica": max(p["io_s"] for p in per),
+            })
+            e = epochs[-1]
+            print(f"epoch {epoch} depth {level}: {e['objects']} objects, "
+                  f"{e['bytes'] / 2**20:.1f} MiB, hits {e['hit_rate']:.0%} "
+                  f"(advanced {e['advanced']}, misses {e['misses']}), "
+                  f"{e['refused_rows']} refused, {wall:.1f} s")
+        result = {
+            "samples": args.samples, "block_size": args.block_size, "batch": args.batch,
+            "replicas": args.replicas, "row_bytes": args.tokens * args.width * 4,
+            "num_blocks": blocks.num_blocks, "max_objects_allowed": args.samples / 64,
+            "max_objects": max(e["objects"] for e in epochs),
+            "epochs": epochs, "object_store": object_store_report(),
+        }
+        assert result["max_objects"] <= args.samples / args.block_size
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cache_objects.json").write_text(json.dumps(result, indent=2))
+        print(f"{args.samples} samples: at most {result['max_objects']} objects "
+              f"(limit {args.samples / 64:.0f}); wrote {args.out / 'cache_objects.json'}")
+        return result
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""The activation cache's store: frozen-prefix outputs per sample, kept in blocks of samples.
+
+Torch runtime layer (numpy and torch, never ray). An entry is one sample's prefix output (the
+state tuple: hidden states, plus the attention mask for BERT-family models) keyed by
+``(sample index, num_frozen)``; entries are grouped by cache block
+(:class:`pt_ray.data.sampler.CacheBlocks`), so one object holds a whole block at one depth.
+
+* :class:`ActivationStore` is the seam: stage 0 reads a step's blocks at once and writes
+  behind (a write may be refused and is then a later miss, never an error).
+* :class:`BlockIndex` is the bookkeeping every store shares: it assembles the pieces that
+  replicas write into whole-block objects, enforces the byte budget, releases a depth once a
+  deeper one covers its samples, and drops entries a restart made stale.
+* :class:`InMemoryStore` keeps the objects in this process (tests, single-process runs); the
+  Ray object-store implementation lives in :mod:`pt_ray.service.cache`.
+
+Rows are stored as numpy arrays in the compute dtype, bit for bit (bfloat16 travels as its
+16-bit pattern), so a hit is exactly the prefix output it replaces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+import torch
+
+from pt_ray.config import RunConfig
+from pt_ray.control import cache_policy
+from pt_ray.data.sampler import CacheBlocks, GlobalSampler
+
+__all__ = [
+    "ActivationStore",
+    "BlockIndex",
+    "CacheStats",
+    "InMemoryStore",
+    "Payload",
+    "Segment",
+    "from_numpy",
+    "to_numpy",
+    "training_sampler",
+]
+
+logger = logging.getLogger(__name__)
+
+Payload = tuple[np.ndarray, tuple[np.ndarray, ...], tuple[str, ...]]
+"""What one cache object holds: ``(ids [n] int64 ascending, arrays [n, ...] each, dtypes)``."""
+
+H = TypeVar("H")
+
+
+def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A CPU numpy copy of ``t`` with its torch dtype's name (bfloat16 as raw 16-bit words)."""
+    t = t.detach().cpu().contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().copy(), name
+
+
+def from_numpy(a: np.ndarray, dtype: str, copy: bool = True) -> torch.Tensor:
+    """The tensor :func:`to_numpy` stored. With ``copy`` (for read-only views of the store)
+    the result owns its memory, so no store buffer stays pinned; without, it shares ``a``."""
+    t = torch.from_numpy(np.array(a, copy=True) if copy else a)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Cached prefix outputs of some samples of one block at one depth.
+
+    Attributes:
+        block: the cache block.
+        level: the depth (``num_frozen``) the rows were computed at.
+        ids: ``[n]`` int64 sample indices, ascending.
+        arrays: one ``[n, ...]`` array per state tensor (read-only views when from Ray).
+        dtypes: torch dtype name of each array (see :func:`from_numpy`).
+    """
+
+    block: int
+    level: int
+    ids: np.ndarray
+    arrays: tuple[np.ndarray, ...]
+    dtypes: tuple[str, ...]
+
+
+@dataclass
+class CacheStats:
+    """A store's state and what it refused.
+
+    Attributes:
+        bytes: bytes held in stored objects.
+        objects: stored objects (one per block and depth at most).
+        pending_bytes: bytes of rows waiting for the rest of their block.
+        budget_bytes: most bytes the store admits (objects plus pending rows).
+        refused_rows: rows not admitted because the budget was full.
+        stale_rows: rows refused because a restart made them stale.
+        released_objects: objects dropped because a deeper depth covered them.
+        lost_objects: objects dropped because reading them failed.
+    """
+
+    bytes: int = 0
+    objects: int = 0
+    pending_bytes: int = 0
+    budget_bytes: int = 0
+    refused_rows: int = 0
+    stale_rows: int = 0
+    released_objects: int = 0
+    lost_objects: int = 0
+
+
+@runtime_checkable
+class ActivationStore(Protocol):
+    """Where stage 0 finds and leaves frozen-prefix outputs. Every method is safe to call when
+    the backing store is gone: reads then return nothing and writes are dropped."""
+
+    def read(self, blocks: Sequence[int], level: int) -> list[Segment]:
+        """Every cached segment of ``blocks`` at depth ``level`` or shallower, deepest first
+        (one lookup per step). Lost objects are left out."""
+        ...
+
+    def write(self, block: int, block_size: int, level: int, ids: np.ndarray,
+              arrays: Sequence[np.ndarray], dtypes: Sequence[str]) -> None:
+        """Queue rows ``ids`` (ascending) of ``block`` (``block_size`` samples in all) at depth
+        ``level`` without waiting; the store may refuse them (budget, backlog)."""
+        ...
+
+    def drain(self) -> None:
+        """Wait until this process's writes have reached the store (end of an epoch)."""
+        ...
+
+    def flush(self) -> None:
+        """Store the rows of blocks still incomplete (at the end of an epoch, once every
+        replica's writes have landed)."""
+        ...
+
+    def invalidate_above(self, level: int) -> None:
+        """Drop entries deeper than ``level`` and refuse writes issued before this call (a
+        resume from a checkpoint taken at ``level``: deeper entries came from a lost future)."""
+        ...
+
+    def attach(self) -> None:
+        """Write under the store's current lineage (after another rank's
+        :meth:`invalidate_above`)."""
+        ...
+
+    def stats(self) -> CacheStats:
+        ...
+
+
+@dataclass
+class _Pending:
+    pieces: list[Payload] = field(default_factory=list)
+    ids: set[int] = field(default_factory=set)
+    nbytes: int = 0
+
+
+def _nbytes(payload: Payload) -> int:
+    return int(payload[0].nbytes + sum(a.nbytes for a in payload[1]))
+
+
+def _merge(parts: Sequence[Payload]) -> Payload:
+    """One payload from several, rows sorted by sample id, each id once (the first copy)."""
+    ids = np.concatenate([p[0] for p in parts])
+    order = np.argsort(ids, kind="stable")
+    ids = ids[order]
+    keep = np.ones(len(ids), dtype=bool)
+    keep[1:] = ids[1:] != ids[:-1]
+    arrays = tuple(np.concatenate([p[1][i] for p in parts])[order][keep]
+                   for i in range(len(parts[0][1])))
+    return ids[keep], arrays, parts[0][2]
+
+
+class BlockIndex(Generic[H]):
+    """The bookkeeping of a block store, over any object handle (an array tuple, a Ray ref).
+
+    1. Rows arrive in pieces (each replica writes its share of a block). They wait, counted in
+       the budget, until their block is complete at that depth (or :meth:`flush`), then become
+       one object; an existing object of the same block and depth is merged in.
+    2. A new object releases the shallower objects of its block, so a block has one object.
+    3. A piece that would pass the budget is refused (its rows stay misses).
+    4. :meth:`invalidate_above` drops deeper entries and starts a new lineage; pieces written
+       under an older lineage are refused.
+
+    Args:
+        budget_bytes: most bytes of objects plus waiting rows.
+        put: stores a payload, returns its handle (may raise: the rows are then refused).
+        load: the payload behind a handle (for merging).
+    """
+
+    def __init__(self, budget_bytes: int, put: Callable[[Payload], H],
+                 load: Callable[[H], Payload]) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes={budget_bytes} must be positive")
+        self._put, self._load = put, load
+        self.lineage = 0
+        self.objects: dict[int, dict[int, tuple[H, np.ndarray, int]]] = {}
+        """block -> depth -> (handle, ids, bytes)."""
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self.stats = CacheStats(budget_bytes=budget_bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.stats.bytes + self.stats.pending_bytes
+
+    def add(self, lineage: int, block: int, block_size: int, level: int,
+            payload: Payload) -> bool:
+        """Admit rows of one block at one depth; returns whether they were admitted."""
+        rows = len(payload[0])
+        if lineage != self.lineage:
+            self.stats.stale_rows += rows
+            return False
+        nbytes = _nbytes(payload)
+        if self.used_bytes + nbytes > self.stats.budget_bytes:
+            self.stats.refused_rows += rows
+            return False
+        pend = self._pending.setdefault((block, level), _Pending())
+        pend.pieces.append(payload)
+        pend.ids.update(payload[0].tolist())
+        pend.nbytes += nbytes
+        self.stats.pending_bytes += nbytes
+        stored = self.objects.get(block, {}).get(level)
+        covered = len(pend.ids) if stored is None else len(pend.ids.union(stored[1].tolist()))
+        if covered >= block_size:
+            self._store(block, level)
+        return True
+
+    def flush(self) -> None:
+        """Store every waiting piece, complete or not."""
+        for block, level in list(self._pending):
+            self._store(block, level)
+
+    def _store(self, block: int, level: int) -> None:
+        pend = self._pending.pop((block, level))
+        self.stats.pending_bytes -= pend.nbytes
+        parts = list(pend.pieces)
+        old = self.objects.get(block, {}).get(level)
+        if old is not None:
+            parts.insert(0, self._load(old[0]))
+        payload = _merge(parts)
+        try:
+            handle = self._put(payload)
+        except Exception as err:  # a full store or a dying backend: the rows stay misses
+            logger.warning("cache: block %d at depth %d not stored (%s)", block, level, err)
+            self.stats.refused_rows += len(pend.ids)
+            return
+        self._drop(block, level)
+        self.objects.setdefault(block, {})[level] = (handle, payload[0], _nbytes(payload))
+        self.stats.bytes += _nbytes(payload)
+        self.stats.objects += 1
+        # A deeper object supersedes the block's shallower ones. Most often it covers them
+        # (the block is complete); after a flush it may not, and the rows it lacks (a few per
+        # epoch: the batch that drop_last skipped) become misses. So a block never holds more
+        # than one object, and the store at most one per block.
+        for lower in [lv for lv in self.objects[block] if lv < level]:
+            self._drop(block, lower)
+            self.stats.released_objects += 1
+
+    def _drop(self, block: int, level: int) -> None:
+        depths = self.objects.get(block, {})
+        entry = depths.pop(level, None)
+        if entry is not None:
+            self.stats.bytes -= entry[2]
+            self.stats.objects -= 1
+        if not depths:
+            self.objects.pop(block, None)
+
+    def lookup(self, blocks: Sequence[int], level: int) -> list[tuple[int, int, H]]:
+        """``(block, level, handle)`` of every object of ``blocks`` at ``level`` or shallower,
+        deepest first within each block."""
+        out = []
+        for b in dict.fromkeys(int(x) for x in blocks):
+            depths = self.objects.get(b, {})
+            out.extend((b, lv, depths[lv][0]) for lv in sorted(depths, reverse=True)
+                       if lv <= level)
+        return out
+
+    def forget(self, block: int, level: int) -> None:
+        """Drop an object whose read failed (lost with its node, or evicted)."""
+        if level in self.objects.get(block, {}):
+            self._drop(block, level)
+            self.stats.lost_objects += 1
+
+    def invalidate_above(self, level: int) -> int:
+        """Drop objects and waiting rows deeper than ``level``; returns the new lineage."""
+        for block, lv in [(b, lv) for b, ds in self.objects.items() for lv in ds if lv > level]:
+            self._drop(block, lv)
+        for key in [k for k in self._pending if k[1] > level]:
+            self.stats.pending_bytes -= self._pending.pop(key).nbytes
+        self.lineage += 1
+        return self.lineage
+
+
+class InMemoryStore:
+    """An :class:`ActivationStore` in this process's memory (tests; runs without Ray).
+
+    Args:
+        budget_bytes: most bytes held (default: unlimited for practical purposes, 64 GiB).
+    """
+
+    def __init__(self, budget_bytes: int = 64 * 2**30) -> None:
+        self.index: BlockIndex[Payload] = BlockIndex(budget_bytes, put=lambda p: p,
+                                                     load=lambda p: p)
+        self._lineage = 0
+
+    def read(self, blocks: Sequence[int], level: int) -> list[Segment]:
+        out = []
+        for block, lv, (ids, arrays, dtypes) in self.index.lookup(blocks, level):
+            out.append(Segment(block, lv, ids, arrays, dtypes))
+        return out
+
+    def write(self, block: int, block_size: int, level: int, ids: np.ndarray,
+              arrays: Sequence[np.ndarray], dtypes: Sequence[str]) -> None:
+        payload = (np.array(ids, dtype=np.int64), tuple(np.array(a) for a in arrays),
+                   tuple(dtypes))
+        self.index.add(self._lineage, block, block_size, level, payload)
+
+    def drain(self) -> None:
+        pass  # writes are synchronous here
+
+    def flush(self) -> None:
+        self.index.flush()
+
+    def invalidate_above(self, level: int) -> None:
+        self._lineage = self.index.invalidate_above(level)
+
+    def attach(self) -> None:
+        self._lineage = self.index.lineage
+
+    def stats(self) -> CacheStats:
+        return CacheStats(**vars(self.index.stats))
+
+
+def training_sampler(cfg: RunConfig, num_samples: int, deterministic_transform: bool
+                     ) -> GlobalSampler:
+    """The run's global sampler: cache blocks kept whole when
+    :func:`pt_ray.control.cache_policy` orders by blocks (the reference trainer and every rank
+    build the same one)."""
+    blocks = None
+    if cache_policy(cfg, deterministic_transform).order == "blocks":
+        blocks = CacheBlocks(num_samples, cfg.cache.block_size, cfg.seed)
+    return GlobalSampler(num_samples, cfg.data.batch_size, cfg.seed, blocks=blocks)

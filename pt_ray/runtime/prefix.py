@@ -1,0 +1,261 @@
+"""Stage 0's frozen prefix served from the activation cache (DESIGN.md, AutoCache).
+
+Torch runtime layer. Before the pipeline schedule runs, stage 0 turns its replica batch's sample
+indices into the frozen prefix's output (the paper's ``pipe(frozen(x))``, with the cache). For
+each sample:
+
+1. hit: the store holds it at the current depth ``n``: the cached state is used as is;
+2. hit at an older depth ``l < n``: the cached state runs through the newly frozen blocks
+   ``l..n-1`` only, and the result is written at depth ``n``;
+3. miss (never cached, refused, evicted, lost with its owner): the whole prefix (embedding and
+   blocks ``0..n-1``) runs on the sample's inputs, loaded only now, and the result is written.
+
+The prefix runs in eval mode under ``no_grad`` and every row is independent of the others, so a
+hit is the output it replaces. Writes go behind (the store queues them); the blocks a step needs
+are looked up once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from pt_ray.data.sampler import CacheBlocks
+from pt_ray.models.base import ModelAdapter, State
+from pt_ray.plan import CostTable
+from pt_ray.runtime.cache import ActivationStore, Segment, from_numpy, to_numpy
+
+__all__ = ["CacheCounters", "CachedPrefix", "epoch_counters", "store_figures"]
+
+Loader = Callable[[np.ndarray], tuple[torch.Tensor, ...]]
+
+
+@dataclass
+class CacheCounters:
+    """What stage 0's cache did since the last reset (one rank).
+
+    Attributes:
+        rows: samples whose prefix output was needed.
+        hits: served at the current depth.
+        advanced: served at an older depth and advanced through the newly frozen blocks.
+        misses: recomputed from the inputs.
+        io_s: seconds spent looking up, reading and gathering cached rows.
+        write_s: seconds spent handing rows to the store (the store writes behind).
+        saved_s: estimated seconds of prefix forward the cache saved, net of ``io_s`` and
+            ``write_s``.
+    """
+
+    rows: int = 0
+    hits: int = 0
+    advanced: int = 0
+    misses: int = 0
+    io_s: float = 0.0
+    write_s: float = 0.0
+    saved_s: float = 0.0
+
+    def as_list(self) -> list[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+
+class CachedPrefix:
+    """Computes stage 0's frozen-prefix output for a batch of samples through the cache.
+
+    Args:
+        adapter: the model (its embedding and frozen blocks are used, in eval mode).
+        store: where cached rows are read and written.
+        blocks: the sample -> cache block map.
+        device: where the prefix runs.
+        costs: profiled per-layer costs, to estimate the time saved until this process has
+            timed the prefix itself (None: no estimate until then).
+    """
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        store: ActivationStore,
+        blocks: CacheBlocks,
+        device: torch.device,
+        costs: CostTable | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.store = store
+        self.blocks = blocks
+        self.device = device
+        self.counters = CacheCounters()
+        self.total = CacheCounters()
+        """Everything since the start (:meth:`reset` adds the epoch's counters here)."""
+        # Forward seconds per sample of the embedding (0) and of block i (i + 1): profiled,
+        # until the prefix has run here (then seconds over samples of every run so far).
+        self._profiled: dict[int, float] = {}
+        self._measured: dict[int, list[float]] = {}
+        if costs is not None:
+            self.set_costs(costs)
+
+    def set_costs(self, costs: CostTable) -> None:
+        """Take per-sample forward times from a profile (until this process measures them)."""
+        per = 1.0 / costs.samples
+        self._profiled[0] = costs.embed.forward_s * per
+        self._profiled.update({i + 1: b.forward_s * per for i, b in enumerate(costs.blocks)})
+
+    def reset(self) -> CacheCounters:
+        """Return the counters and start new ones (adding them to :attr:`total`)."""
+        out, self.counters = self.counters, CacheCounters()
+        for f in fields(out):
+            setattr(self.total, f.name, getattr(self.total, f.name) + getattr(out, f.name))
+        return out
+
+    @torch.no_grad()
+    def __call__(self, num_frozen: int, indices: np.ndarray, load: Loader) -> State:
+        """The prefix output for samples ``indices`` at depth ``num_frozen``.
+
+        Args:
+            num_frozen: n > 0, the frozen blocks.
+            indices: ``[B]`` sample indices of the replica batch, in batch order.
+            load: ``load(rows) -> inputs`` on this device for the batch rows ``rows`` (called
+                for misses only, so a step that hits everywhere loads no input).
+
+        Returns:
+            The state tuple, each tensor ``[B, ...]`` in the order of ``indices``.
+        """
+        n = num_frozen
+        indices = np.asarray(indices, dtype=np.int64)
+        t0 = time.perf_counter()
+        segments = self.store.read(np.unique(self.blocks.block_of[indices]).tolist(), n)
+        seg, pos, level = _locate(indices, segments)
+        cached: dict[int, tuple[np.ndarray, State]] = {}
+        for lv in sorted(set(level.tolist()) - {0}, reverse=True):
+            rows = np.flatnonzero(level == lv)
+            cached[lv] = (rows, self._gather(segments, seg[rows], pos[rows]))
+        io_s = time.perf_counter() - t0
+
+        parts: list[tuple[np.ndarray, State]] = []
+        for lv, (rows, state) in cached.items():
+            if lv < n:  # advance through the blocks frozen since, then store the new depth
+                state = self._write(n, indices[rows], self._run(lv, n, state))
+            parts.append((rows, state))
+        miss = np.flatnonzero(level == 0)
+        if len(miss):
+            state = self._run(0, n, load(miss))
+            parts.append((miss, self._write(n, indices[miss], state)))
+
+        c = self.counters
+        c.rows += len(indices)
+        c.hits += int((level == n).sum())
+        c.advanced += int(((level > 0) & (level < n)).sum())
+        c.misses += len(miss)
+        c.io_s += io_s
+        c.saved_s += sum(self._prefix_row_s(lv) for lv in level[level > 0].tolist()) - io_s
+        return _assemble(parts, len(indices))
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _gather(self, segments: list[Segment], seg: np.ndarray, pos: np.ndarray) -> State:
+        """Rows ``pos[i]`` of segments ``seg[i]``, as tensors on this device (copies, so no
+        store buffer stays pinned)."""
+        first = segments[int(seg[0])]
+        out = [np.empty((len(seg), *a.shape[1:]), dtype=a.dtype) for a in first.arrays]
+        for s in np.unique(seg).tolist():
+            sel = np.flatnonzero(seg == s)
+            for o, a in zip(out, segments[s].arrays):
+                o[sel] = a[pos[sel]]
+        return tuple(from_numpy(o, d, copy=False).to(self.device)
+                     for o, d in zip(out, first.dtypes))
+
+    def _run(self, lo: int, n: int, state: State) -> State:
+        """The frozen layers from depth ``lo`` (0: the embedding, on model inputs) to ``n``,
+        timing each per sample for the saved-time estimate."""
+        rows = int(state[0].shape[0])
+        modules = ([self.adapter.embed] if lo == 0 else []) + list(self.adapter.blocks[lo:n])
+        for i, module in enumerate(modules, start=0 if lo == 0 else lo + 1):
+            t = time.perf_counter()
+            state = module(*state)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds_rows = self._measured.setdefault(i, [0.0, 0])
+            seconds_rows[0] += time.perf_counter() - t
+            seconds_rows[1] += rows
+        return state
+
+    def _prefix_row_s(self, level: int) -> float:
+        """Estimated forward seconds per sample of the prefix up to depth ``level``."""
+        total = 0.0
+        for i in range(level + 1):
+            seconds, rows = self._measured.get(i, (0.0, 0))
+            total += seconds / rows if rows else self._profiled.get(i, 0.0)
+        return total
+
+    def _write(self, n: int, ids: np.ndarray, state: State) -> State:
+        """Queue the rows of ``state`` (samples ``ids``) at depth ``n``, block by block."""
+        t0 = time.perf_counter()
+        arrays = [to_numpy(t) for t in state]
+        blocks = self.blocks.block_of[ids]
+        for b in np.unique(blocks).tolist():
+            sel = np.flatnonzero(blocks == b)
+            sel = sel[np.argsort(ids[sel])]
+            self.store.write(b, self.blocks.size(b), n, ids[sel],
+                             [a[sel] for a, _ in arrays], [d for _, d in arrays])
+        spent = time.perf_counter() - t0
+        self.counters.write_s += spent
+        self.counters.saved_s -= spent
+        return state
+
+
+def epoch_counters(prefix: CachedPrefix | None) -> torch.Tensor:
+    """At the end of an epoch, once this rank's writes have landed: its share of the epoch's
+    cache figures, to be summed over ranks: ``[rows, rows served from the cache (hit or
+    advanced), saved_s, 1 if it read the cache]`` (zeros without a cache).
+
+    Args:
+        prefix: this rank's cached prefix (None: no cache in this run).
+    """
+    if prefix is None:
+        return torch.zeros(4, dtype=torch.float64)
+    prefix.store.drain()
+    c = prefix.reset()
+    return torch.tensor([c.rows, c.hits + c.advanced, c.saved_s, float(c.rows > 0)],
+                        dtype=torch.float64)
+
+
+def store_figures(prefix: CachedPrefix | None, rank: int) -> list[float]:
+    """After every rank's :func:`epoch_counters`: store the rows of incomplete blocks, and
+    (rank 0, always a stage 0) the store's ``[bytes, objects]``; zeros elsewhere."""
+    if prefix is None:
+        return [0.0, 0.0]
+    prefix.store.flush()
+    if rank != 0:
+        return [0.0, 0.0]
+    stats = prefix.store.stats()
+    return [float(stats.bytes), float(stats.objects)]
+
+
+def _locate(indices: np.ndarray, segments: list[Segment]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each sample: the segment holding its deepest cached copy, the row there (``-1``
+    where none does) and that copy's depth (0 where none)."""
+    seg = np.full(len(indices), -1, dtype=np.int64)
+    pos = np.full(len(indices), -1, dtype=np.int64)
+    best = np.zeros(len(indices), dtype=np.int64)
+    for s, sg in enumerate(segments):
+        if not len(sg.ids):
+            continue
+        at = np.minimum(np.searchsorted(sg.ids, indices), len(sg.ids) - 1)
+        found = (sg.ids[at] == indices) & (sg.level > best)
+        seg[found], pos[found], best[found] = s, at[found], sg.level
+    return seg, pos, best
+
+
+def _assemble(parts: list[tuple[np.ndarray, State]], size: int) -> State:
+    """One state of ``size`` rows from pieces that each fill the rows ``positions``."""
+    if len(parts) == 1:  # one source (all hits, say): its rows are 0..size-1 in order
+        return parts[0][1]
+    first = parts[0][1]
+    out = tuple(torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in first)
+    for positions, state in parts:
+        idx = torch.from_numpy(positions).to(first[0].device)
+        for o, t in zip(out, state):
+            o[idx] = t
+    return out

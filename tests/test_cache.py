@@ -1,0 +1,318 @@
+"""The activation cache without processes: blocks and their order, when the cache may turn on,
+the block store's bookkeeping, and stage 0's cached prefix against the plain one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pt_ray.config import ConfigError, build_config, load_config
+from pt_ray.control import build_control_state, cache_policy
+from pt_ray.costplan import CostModelPlanner, cache_break_even
+from pt_ray.data.registry import build_dataset
+from pt_ray.data.sampler import CacheBlocks, GlobalSampler
+from pt_ray.hwprofile import load_hardware
+from pt_ray.plan import CostTable, LayerCost, Planner
+from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy, training_sampler
+from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.runtime.reference import build_model_for
+
+pytestmark = pytest.mark.unit
+
+
+# -- blocks and the block-preserving order ------------------------------------------------------
+
+
+def test_blocks_are_random_groups_of_at_least_block_size_and_few():
+    blocks = CacheBlocks(100_000, 64, seed=0)
+    sizes = [blocks.size(b) for b in range(blocks.num_blocks)]
+    assert blocks.num_blocks == 1562 <= 100_000 / 64  # the remainder is spread, not a block
+    assert min(sizes) == 64 and max(sizes) == 65 and sum(sizes) == 100_000
+    members = np.concatenate(blocks.members)
+    assert sorted(members.tolist()) == list(range(100_000))
+    assert all((blocks.block_of[m] == b).all() for b, m in enumerate(blocks.members))
+    # Random membership, not index ranges: a dataset stored class by class still mixes.
+    assert np.ptp(blocks.members[0]) > 10_000
+    assert CacheBlocks(10, 64, seed=0).num_blocks == 1
+
+
+def test_block_order_keeps_blocks_whole_and_reshuffles_each_epoch():
+    blocks = CacheBlocks(1000, 64, seed=3)
+    sampler = GlobalSampler(1000, 32, seed=3, blocks=blocks)
+    orders = [sampler.epoch_order(e).copy() for e in range(3)]
+    for order in orders:
+        assert sorted(order.tolist()) == list(range(1000))
+        runs = blocks.block_of[order]
+        # Each block appears as one contiguous run.
+        assert len(np.flatnonzero(np.diff(runs))) == blocks.num_blocks - 1
+    assert not np.array_equal(orders[0], orders[1])
+    # Blocks are reordered, and so are the samples within a block.
+    assert not np.array_equal(blocks.block_of[orders[0]], blocks.block_of[orders[1]])
+    first = blocks.block_of[orders[0][0]]
+    within = [o[blocks.block_of[o] == first] for o in orders]
+    assert not np.array_equal(within[0], within[1])
+    np.testing.assert_array_equal(GlobalSampler(1000, 32, 3, blocks=blocks).epoch_order(1),
+                                  orders[1])
+    # A step reads one or two blocks.
+    assert max(len(np.unique(blocks.block_of[sampler.step_indices(0, s)]))
+               for s in range(sampler.steps_per_epoch)) <= 2
+    with pytest.raises(ValueError, match="build CacheBlocks for this split"):
+        GlobalSampler(999, 32, 3, blocks=blocks)
+
+
+# -- when the cache may turn on -----------------------------------------------------------------
+
+
+def cfg(**sections):
+    base = {"freeze": {"policy": "schedule"}}
+    base.update(sections)
+    return build_config(base)
+
+
+def test_cache_policy_and_the_order_that_follows():
+    on = cache_policy(cfg(cache={"mode": "on"}), deterministic_transform=True)
+    assert (on.mode, on.order) == ("on", "blocks")
+    off = cache_policy(cfg(cache={"mode": "off"}), True)
+    assert (off.mode, off.order) == ("off", "samples")
+    forced = cache_policy(cfg(cache={"mode": "off", "order": "blocks"}), True)
+    assert (forced.mode, forced.order) == ("off", "blocks")
+    never = cache_policy(cfg(freeze={"policy": "none"}), True)
+    assert never.mode == "off" and "nothing ever freezes" in never.reason
+    random = cache_policy(cfg(), deterministic_transform=False)
+    assert random.mode == "off" and random.order == "samples"
+    assert "cache.allow_random_transform=true" in random.reason
+    opted = cache_policy(cfg(cache={"allow_random_transform": True}), False)
+    assert opted.mode == "auto" and opted.order == "blocks" and "allow_random" in opted.reason
+
+
+def test_cache_config_reads_yaml_on_off_and_rejects_bad_values():
+    # YAML reads a bare on/off as a boolean: `pt-ray train --set cache.mode=on` must still work.
+    assert load_config(None, ["cache.mode=on"]).cache.mode == "on"
+    assert load_config(None, ["cache.mode=off"]).cache.mode == "off"
+    with pytest.raises(ConfigError, match="cache.mode='sometimes'"):
+        load_config(None, ["cache.mode=sometimes"])
+    with pytest.raises(ConfigError, match="cache.block_size"):
+        load_config(None, ["cache.block_size=0"])
+
+
+def test_augmented_data_keeps_the_cache_off_and_the_log_says_why(caplog):
+    c = cfg(data={"name": "synthetic_image", "num_samples": 64, "augment": True},
+            pipeline={"policy": "paper"}, cache={"mode": "on"})
+    caplog.set_level("INFO", logger="pt_ray.control")
+    state = build_control_state(c, 4, 2, 2, deterministic_transform=False)
+    assert "training transform is random" in caplog.text
+    for r in range(2):
+        state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
+    plan = state.planner.next_plan(state.plan_for(0), 2)
+    assert not plan.cache
+
+
+def costs(act_bytes, block_s=1e-3, n=6):
+    return CostTable(LayerCost(block_s, 2 * block_s, act_bytes, 1.0),
+                     tuple(LayerCost(block_s, 2 * block_s, act_bytes, 1.0) for _ in range(n)),
+                     LayerCost(block_s, 2 * block_s, 8.0, 1.0))
+
+
+def test_break_even_and_the_paper_planner_threshold():
+    hw = load_hardware("local-cpu")  # 2 GB/s cache reads
+    # A read of 5 MB takes 2.5 ms: beats the prefix from 2 frozen blocks (embed + 2 x 1 ms).
+    assert cache_break_even(costs(5e6), hw) == 2
+    assert cache_break_even(costs(1e12), hw) is None
+    planner = Planner(2, costs(5e6), batch_size=8, cache_from=2)
+    plan = planner.initial_plan()
+    assert not plan.cache
+    one = planner.next_plan(plan, 1)
+    assert not one.cache and planner.next_plan(one, 3).cache
+    with pytest.raises(ValueError, match="cache_from=0"):
+        Planner(2, costs(5e6), batch_size=8, cache_from=0)
+
+
+def test_paper_policy_modes_reach_the_plans():
+    def plans(**cache):
+        c = cfg(pipeline={"policy": "paper"}, cache=cache)
+        state = build_control_state(c, 6, 2, 4)
+        for r in range(2):
+            state.submit_costs(r, costs(5e6))
+        p0 = state.plan_for(0)
+        return [state.planner.next_plan(p0, n).cache for n in (1, 2, 4)]
+
+    assert plans(mode="auto") == [False, True, True]       # the break-even: 2 frozen blocks
+    assert plans(mode="on") == [True, True, True]
+    assert plans(mode="off") == [False, False, False]
+    assert plans(mode="auto", min_frozen=4) == [False, False, True]
+
+
+def test_cost_planner_min_frozen_floor():
+    hw = load_hardware("local-cpu")
+    c = costs(8.0)  # reads nearly free: auto would cache from the first frozen block
+    free = CostModelPlanner(2, c, hw, batch_size=8, cache="auto")
+    floor = CostModelPlanner(2, c, hw, batch_size=8, cache="auto", cache_min_frozen=3)
+    p0 = free.initial_plan()
+    assert free.next_plan(p0, 1).cache
+    assert not floor.next_plan(p0, 2).cache and floor.next_plan(p0, 3).cache
+
+
+# -- the block index ---------------------------------------------------------------------------
+
+
+def payload(ids, level=1, width=3):
+    ids = np.asarray(ids, dtype=np.int64)
+    rows = np.stack([np.full(width, i * 10 + level, dtype=np.float32) for i in ids])
+    return ids, (rows,), ("float32",)
+
+
+def test_pieces_become_one_object_per_block_and_depth():
+    idx: BlockIndex = BlockIndex(10**6, put=lambda p: p, load=lambda p: p)
+    assert idx.add(0, block=7, block_size=4, level=1, payload=payload([5, 1]))
+    assert idx.stats.objects == 0 and idx.stats.pending_bytes > 0  # waits for its block
+    idx.add(0, 7, 4, 1, payload([9, 3]))
+    assert idx.stats.objects == 1 and idx.stats.pending_bytes == 0
+    (_, lv, (ids, (rows,), _)), = idx.lookup([7], 2)
+    assert lv == 1 and ids.tolist() == [1, 3, 5, 9]
+    assert rows[:, 0].tolist() == [11.0, 31.0, 51.0, 91.0]
+    # An incomplete block is stored at flush; a later piece merges into the same object.
+    idx.add(0, 8, 4, 1, payload([2]))
+    idx.flush()
+    idx.add(0, 8, 4, 1, payload([4, 2]))
+    idx.flush()
+    assert idx.stats.objects == 2
+    (_, _, (ids, _, _)), = idx.lookup([8], 1)
+    assert ids.tolist() == [2, 4]
+
+
+def test_a_deeper_depth_replaces_the_shallower_one():
+    idx: BlockIndex = BlockIndex(10**6, put=lambda p: p, load=lambda p: p)
+    idx.add(0, 0, 2, 1, payload([0, 1], level=1))
+    idx.add(0, 0, 2, 2, payload([0], level=2))
+    assert [lv for _, lv, _ in idx.lookup([0], 2)] == [1]  # depth 2 still waits for sample 1
+    idx.add(0, 0, 2, 2, payload([1], level=2))
+    assert [lv for _, lv, _ in idx.lookup([0], 2)] == [2]
+    assert idx.stats.objects == 1 and idx.stats.released_objects == 1
+    # At a flush an incomplete deeper object replaces the shallower one too (one object per
+    # block); the rows it lacks are misses from then on.
+    idx.add(0, 1, 2, 1, payload([2, 3], level=1))
+    idx.add(0, 1, 2, 2, payload([2], level=2))
+    idx.flush()
+    (_, lv, (ids, _, _)), = idx.lookup([1], 2)
+    assert lv == 2 and ids.tolist() == [2] and idx.stats.objects == 2
+
+
+def test_budget_refuses_and_restart_invalidates():
+    one = sum(a.nbytes for a in payload([0, 1])[1]) + 16
+    idx: BlockIndex = BlockIndex(one, put=lambda p: p, load=lambda p: p)
+    assert idx.add(0, 0, 2, 1, payload([0, 1]))
+    assert not idx.add(0, 1, 2, 1, payload([2, 3]))
+    assert idx.stats.refused_rows == 2 and idx.lookup([1], 1) == []
+    assert not idx.add(0, 2, 1, 3, payload([4], level=3))  # refused too: over budget
+    lineage = idx.invalidate_above(1)
+    assert lineage == 1 and [lv for _, lv, _ in idx.lookup([0], 5)] == [1]
+    assert not idx.add(0, 3, 1, 1, payload([6]))  # written before the restart: stale
+    assert idx.stats.stale_rows == 1
+
+    def failing_put(p):
+        raise MemoryError("store full")
+
+    full: BlockIndex = BlockIndex(10**6, put=failing_put, load=lambda p: p)
+    full.add(0, 0, 1, 1, payload([0]))  # a full store: refused, no exception
+    assert full.stats.objects == 0 and full.stats.refused_rows == 1
+
+
+def test_bfloat16_round_trips_bit_for_bit():
+    t = torch.randn(3, 4).to(torch.bfloat16)
+    a, dtype = to_numpy(t)
+    assert dtype == "bfloat16" and torch.equal(from_numpy(a, dtype), t)
+    f = torch.randn(2, 2)
+    assert torch.equal(from_numpy(*to_numpy(f)), f)
+
+
+# -- stage 0's cached prefix -------------------------------------------------------------------
+
+
+TINY = {
+    "vit": {"model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
+                      "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
+            "data": {"name": "synthetic_image", "num_samples": 48, "image_size": 8,
+                     "batch_size": 16}},
+    "bert": {"model": {"family": "hf", "name": "bert", "depth": 4, "width": 32, "num_heads": 2,
+                       "mlp_ratio": 2.0},
+             "data": {"name": "synthetic_text", "num_samples": 48, "seq_len": 12,
+                      "batch_size": 16}},
+}
+
+
+def plain_prefix(adapter, inputs, n):
+    with torch.no_grad():
+        state = adapter.embed(*inputs)
+        for block in adapter.blocks[:n]:
+            state = block(*state)
+    return state
+
+
+@pytest.fixture(params=["vit", "bert"])
+def model(request):
+    c = build_config({**TINY[request.param], "cache": {"block_size": 8}})
+    splits = build_dataset(c.data, seed=0)
+    adapter = build_model_for(c, splits)
+    adapter.model.eval()
+    return c, splits, adapter
+
+
+def run(prefix, splits, n, idx):
+    loaded = []
+
+    def load(rows):
+        loaded.extend(idx[rows].tolist())
+        return splits.train.batch(idx[rows].tolist()).inputs
+
+    return prefix(n, idx, load), loaded
+
+
+def test_hits_advances_and_misses_equal_the_prefix_bit_for_bit(model):
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)
+    prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"))
+    order = training_sampler(c, len(splits.train), True).epoch_order(0)
+    idx = order[:16]
+    expect = {n: plain_prefix(adapter, splits.train.batch(idx.tolist()).inputs, n)
+              for n in (2, 3)}
+    state, loaded = run(prefix, splits, 2, idx)           # misses at depth 2
+    assert sorted(loaded) == sorted(idx.tolist())
+    assert len(state) == len(expect[2]) == (1 if c.model.family == "timm" else 2)
+    assert all(torch.equal(a, b) for a, b in zip(state, expect[2]))
+    prefix.store.flush()
+    shuffled = idx[::-1].copy()
+    state, loaded = run(prefix, splits, 3, shuffled)      # advanced 2 -> 3, nothing loaded
+    assert loaded == []
+    want = plain_prefix(adapter, splits.train.batch(shuffled.tolist()).inputs, 3)
+    assert all(torch.equal(a, b) for a, b in zip(state, want))
+    prefix.store.flush()
+    state, loaded = run(prefix, splits, 3, idx)           # hits at depth 3
+    assert loaded == [] and all(torch.equal(a, b) for a, b in zip(state, expect[3]))
+    c1 = prefix.reset()
+    assert (c1.rows, c1.misses, c1.advanced, c1.hits) == (48, 16, 16, 16)
+    # Depth 2 was released once depth 3 covered its blocks.
+    assert all(lv == 3 for _, lv, _ in prefix.store.index.lookup(range(blocks.num_blocks), 3))
+
+
+def test_full_store_and_evicted_entries_are_misses_with_the_right_rows(model):
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)
+    idx = training_sampler(c, len(splits.train), True).epoch_order(0)[:16]
+    want = plain_prefix(adapter, splits.train.batch(idx.tolist()).inputs, 2)
+    tiny = CachedPrefix(adapter, InMemoryStore(budget_bytes=64), blocks, torch.device("cpu"))
+    for _ in range(2):
+        state, loaded = run(tiny, splits, 2, idx)
+        assert sorted(loaded) == sorted(idx.tolist())   # nothing admitted: always recomputed
+        assert all(torch.equal(a, b) for a, b in zip(state, want))
+        tiny.store.flush()
+    assert tiny.store.stats().refused_rows > 0 and tiny.store.stats().objects == 0
+    store = InMemoryStore()
+    prefix = CachedPrefix(adapter, store, blocks, torch.device("cpu"))
+    run(prefix, splits, 2, idx)
+    store.flush()
+    evicted = int(blocks.block_of[idx[0]])
+    store.index.forget(evicted, 2)
+    state, loaded = run(prefix, splits, 2, idx)
+    assert sorted(loaded) == sorted(i for i in idx.tolist() if blocks.block_of[i] == evicted)
+    assert all(torch.equal(a, b) for a, b in zip(state, want))

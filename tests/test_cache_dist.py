@@ -1,0 +1,93 @@
+"""The activation cache on forked gloo processes: the same losses and parameters as without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from pt_ray.config import build_config
+from pt_ray.control import build_control_state
+from pt_ray.data.registry import build_dataset
+from pt_ray.plan import CostTable
+from pt_ray.runtime.cache import InMemoryStore
+from pt_ray.runtime.engine import ElasticWorker, LocalController
+from pt_ray.runtime.reference import build_model_for
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+VIT = {
+    "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
+              "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
+    "data": {"name": "synthetic_image", "num_samples": 96, "image_size": 8, "batch_size": 16},
+}
+BERT = {
+    "model": {"family": "hf", "name": "bert", "depth": 4, "width": 32, "num_heads": 2,
+              "mlp_ratio": 2.0, "dropout": 0.0},
+    "data": {"name": "synthetic_text", "num_samples": 96, "seq_len": 12, "batch_size": 16},
+}
+
+
+def config(base, mode, workers=4, **extra):
+    # Both runs keep cache blocks whole (order=blocks), so they see the same samples each step.
+    return build_config({
+        **base,
+        "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
+        "pipeline": {"num_workers": workers, "schedule": "1f1b", "policy": "paper"},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
+        "cache": {"mode": mode, "order": "blocks", "block_size": 8},
+        "epochs": 4,
+        **extra,
+    })
+
+
+def train_rank(rank, world, cfg, use_store):
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)
+    control = build_control_state(cfg, adapter.num_layers, world,
+                                  len(splits.train) // cfg.data.batch_size)
+    # Forked processes share no memory: each stage-0 rank keeps its own store, so replicas
+    # miss what the others wrote (the Ray store test covers sharing).
+    store = InMemoryStore() if use_store else None
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=LocalController(control),
+                           costs=CostTable.from_param_counts(1.0, [1.0] * adapter.num_layers, 1.0),
+                           store=store)
+    losses = []
+    step = worker.train_step
+    worker.train_step = lambda indices: losses.append(step(indices)) or losses[-1]
+    timeline = worker.fit()
+    counters = worker.prefix.total if worker.prefix is not None else None
+    states = worker.layer_state_dicts()
+    worker.close()
+    return {"states": states, "timeline": timeline, "losses": losses, "counters": counters}
+
+
+def step_losses(results):
+    return torch.tensor([r["losses"] for r in results]).sum(0)
+
+
+def merged_states(results):
+    out = {}
+    for r in results:
+        out.update(r["states"])
+    return out
+
+
+@pytest.mark.parametrize("base", [VIT, BERT], ids=["vit", "bert"])
+def test_cache_on_gives_the_losses_and_parameters_of_cache_off(base):
+    on = run_ranks(train_rank, 4, config(base, "on"), True)
+    off = run_ranks(train_rank, 4, config(base, "off"), False)
+    layout = [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in on[0]["timeline"]]
+    assert layout == [(0, 4, 1), (2, 2, 2), (3, 1, 4), (3, 1, 4)]
+    # The paths all ran: misses at depth 2, rows advanced 2 -> 3, hits at depth 3.
+    counts = [r["counters"] for r in on if r["counters"] is not None]
+    assert sum(c.misses for c in counts) > 0
+    assert sum(c.advanced for c in counts) > 0
+    assert sum(c.hits for c in counts) > 0
+    assert on[0]["timeline"][3].cache_hit_rate > 0
+    assert on[0]["timeline"][3].cache_objects > 0
+    diff = (step_losses(on) - step_losses(off)).abs().max()
+    assert float(diff) <= 1e-5
+    a, b = merged_states(on), merged_states(off)
+    worst = max(float((a[n][k] - v).abs().max()) for n, sd in b.items() for k, v in sd.items())
+    assert worst <= 1e-5, f"max abs parameter difference {worst:.3g}"

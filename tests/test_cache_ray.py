@@ -1,0 +1,192 @@
+"""The activation cache in Ray's object store: shared across processes, owned by the cache actor,
+and every failure a miss; a tiny job with the cache on ends where the reference does."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+import uuid
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from pt_ray.config import build_config
+from pt_ray.data.registry import build_dataset
+from pt_ray.data.sampler import CacheBlocks
+from pt_ray.models.base import iter_layers, layer_names
+from pt_ray.runtime.checkpoint import load_layers
+from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.runtime.reference import ReferenceTrainer, build_model_for
+from pt_ray.service.cache import CacheActor, RayStore
+from pt_ray.service.trainer import run_on_ray
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+# The actors below are defined here; Ray's workers cannot import a test module by name.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def new_cache(**kw):
+    name = f"test-cache-{uuid.uuid4().hex[:8]}"
+    actor = CacheActor.options(name=name).remote(kw.pop("budget_fraction", 0.5), **kw)
+    return name, actor
+
+
+def rows(ids, level):
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids, [np.stack([np.arange(4, dtype=np.float32) + 10 * i + level for i in ids])]
+
+
+@ray.remote(num_cpus=0)
+class Writer:
+    """A stand-in for a stage-0 worker in its own process."""
+
+    def write(self, name, block, size, level, ids):
+        store = RayStore(name)
+        ids, arrays = rows(ids, level)
+        store.write(block, size, level, ids, arrays, ["float32"])
+        return store.stats().objects  # a call after the write: the write has landed
+
+
+def test_rows_written_by_one_process_are_read_by_another_after_it_died(ray_cluster):
+    name, actor = new_cache()
+    writer = Writer.remote()
+    assert ray.get(writer.write.remote(name, 3, 4, 2, [8, 1, 5, 2])) == 1
+    ray.kill(writer)  # the writer is gone; the cache actor owns the object
+    store = RayStore(name)
+    (seg,) = store.read([3], 2)
+    assert (seg.block, seg.level, seg.ids.tolist()) == (3, 2, [1, 2, 5, 8])
+    np.testing.assert_array_equal(seg.arrays[0], rows([1, 2, 5, 8], 2)[1][0])
+    assert not seg.arrays[0].flags.writeable  # a zero-copy view of the object store
+    assert store.read([3], 1) == [] and store.read([4], 2) == []
+    ray.kill(actor)
+
+
+def test_budget_refuses_rows_which_then_read_as_misses(ray_cluster):
+    name, actor = new_cache(budget_bytes=100)
+    store = RayStore(name)
+    store.write(0, 2, 1, *rows([0, 1], 1), ["float32"])   # 48 bytes: admitted
+    store.write(1, 2, 1, *rows([2, 3], 1), ["float32"])   # would pass 100: refused
+    stats = store.stats()
+    assert (stats.objects, stats.refused_rows, stats.budget_bytes) == (1, 2, 100)
+    assert [s.block for s in store.read([0, 1], 1)] == [0]
+    ray.kill(actor)
+
+
+@ray.remote(num_cpus=0)
+class Owner:
+    def make(self):
+        # Large enough (1 MiB) to live in the object store rather than inline in the reply.
+        return [ray.put((np.arange(2), (np.zeros((2, 2**17), np.float32),), ("float32",)))]
+
+
+
+@ray.remote(num_cpus=0)
+def readable(refs):
+    try:
+        ray.get(refs[0], timeout=5)
+        return True
+    except ray.exceptions.RayError:
+        return False
+
+
+def kill_owner(owner, ref):
+    """Kill ``owner`` and wait until its object reads as lost (probing from tasks: a read in
+    this process before the death is known would keep the object here)."""
+    ray.kill(owner)
+    for _ in range(150):
+        if not ray.get(readable.remote([ref])):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the object outlived its owner")
+
+
+def test_lost_objects_and_a_dead_cache_read_as_misses(ray_cluster):
+    name, actor = new_cache()
+    store = RayStore(name, timeout_s=5)
+    store.write(0, 2, 1, *rows([0, 1], 1), ["float32"])
+    store.stats()
+    # An object whose owner died (lookup hands out its ref): dropped, the live one still read.
+    owner = Owner.remote()
+    (lost,) = ray.get(owner.make.remote())
+    kill_owner(owner, lost)
+    live = ray.get(actor.lookup.remote([0], 1))
+    forgotten = []
+    store.actor = types.SimpleNamespace(
+        lookup=types.SimpleNamespace(remote=lambda b, lv: ray.put(live + [(5, 1, lost)])),
+        forget=types.SimpleNamespace(remote=forgotten.extend),
+    )
+    assert [s.block for s in store.read([0, 5], 1)] == [0]
+    assert forgotten == [(5, 1)]
+    # The cache actor itself dies (its objects with it): reads miss, writes are dropped.
+    store.actor = actor
+    ray.kill(actor)
+    assert store.read([0], 1) == []
+    store.write(1, 2, 1, *rows([2, 3], 1), ["float32"])
+    store.flush()
+    assert store.stats().objects == 0
+
+
+def test_cached_prefix_over_a_dead_cache_still_gives_the_prefix(ray_cluster):
+    cfg = build_config({
+        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 3, "width": 32,
+                  "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
+        "data": {"name": "synthetic_image", "num_samples": 32, "image_size": 8},
+    })
+    splits = build_dataset(cfg.data, seed=0)
+    adapter = build_model_for(cfg, splits)
+    adapter.model.eval()
+    name, actor = new_cache()
+    prefix = CachedPrefix(adapter, RayStore(name, timeout_s=5), CacheBlocks(32, 8, 0),
+                          torch.device("cpu"))
+    idx = np.arange(16)
+    load = lambda r: splits.train.batch(idx[r].tolist()).inputs  # noqa: E731
+    first = prefix(2, idx, load)
+    prefix.store.flush()
+    again = prefix(2, idx, load)
+    assert prefix.counters.hits == 16 and torch.equal(first[0], again[0])
+    ray.kill(actor)
+    after = prefix(2, idx, load)
+    assert prefix.counters.misses == 32 and torch.equal(first[0], after[0])
+
+
+def job(tmp_path, **extra):
+    return build_config({
+        "name": "ray-cache",
+        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
+                  "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
+        "data": {"name": "synthetic_image", "num_samples": 128, "image_size": 8,
+                 "batch_size": 16},
+        "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
+        "pipeline": {"num_workers": 2, "schedule": "1f1b", "policy": "paper"},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
+        "cache": {"mode": "on", "block_size": 16, "spill_directory": str(tmp_path / "spill")},
+        "epochs": 4,
+        "output_dir": str(tmp_path),
+        **extra,
+    })
+
+
+def test_tiny_job_with_the_cache_hits_after_the_freeze_and_ends_on_the_reference(
+        ray_cluster, tmp_path):
+    cfg = job(tmp_path)
+    run = run_on_ray(cfg, tmp_path / "run")
+    layout = [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in run.timeline]
+    assert layout == [(0, 2, 1), (2, 2, 1), (3, 1, 2), (3, 1, 2)]
+    rates = [r.cache_hit_rate for r in run.timeline]
+    # Epoch 1 fills depth 2 (one replica), epoch 2 advances it to depth 3 (two replicas,
+    # each reading rows of blocks the other also reads), epoch 3 reads depth 3.
+    assert rates == [0.0, 0.0, 1.0, 1.0]
+    assert run.timeline[3].cache_objects <= 128 // 16 and run.timeline[3].cache_bytes > 0
+    assert run.cache["objects"] == 8 and run.cache["refused_rows"] == 0
+    assert "spilled_bytes" in run.cache["object_store"]
+
+    reference = ReferenceTrainer(job(tmp_path, engine="reference"))
+    reference.fit()
+    layers, _ = load_layers(run.checkpoint_path, layer_names(4))
+    worst = max(float((layers[name]["params"][k] - v).abs().max())
+                for name, m in iter_layers(reference.adapter) for k, v in m.state_dict().items())
+    assert worst <= 1e-4
