@@ -69,6 +69,21 @@ def preflight(cfg: RunConfig) -> None:
         )
 
 
+def _write_extras(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
+    """The report PNG and TensorBoard scalars the config asks for (never fails the run)."""
+    try:
+        if cfg.logging.report:
+            from pt_ray.report import render_report
+
+            render_report(summary, run_dir / "report.png")
+        if cfg.logging.tensorboard:
+            from pt_ray.tensorboard import write_tensorboard
+
+            write_tensorboard(summary, run_dir / "tensorboard")
+    except Exception as err:  # a plot must not fail a finished run
+        logger.warning("run report not written: %s", err)
+
+
 @dataclass(frozen=True)
 class Result:
     """What a run returns.
@@ -149,9 +164,9 @@ def fit(
             for rec in timeline:
                 on_epoch(rec)
         extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
-                     decisions=run.decisions, restarts=run.restarts)
+                     decisions=run.decisions, restarts=run.restarts, cache=run.cache)
     wall = time.perf_counter() - t0
-    write_summary(
+    summary = write_summary(
         run_dir / "summary.json",
         wall_time_s=wall,
         metric_name=metric_name,
@@ -159,6 +174,7 @@ def fit(
         config=cfg.model_dump(mode="json"),
         extra=extra,
     )
+    _write_extras(cfg, summary, run_dir)
     return Result(cfg, timeline, metric_name, timeline[-1].eval_metric, wall, run_dir,
                   checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
                   restarts=extra.get("restarts", 0))

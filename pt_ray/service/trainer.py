@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,12 @@ logger = logging.getLogger(__name__)
 _LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def ensure_ray(cfg: RunConfig) -> bool:
     """Attach to the cluster in ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or start an
     embedded local one sized for the run. Returns True when this call started Ray."""
@@ -46,6 +53,7 @@ def ensure_ray(cfg: RunConfig) -> bool:
         cfg.cache.spill_directory.mkdir(parents=True, exist_ok=True)
         # Hidden ray.init option in 2.60 (`ray start --object-spilling-directory` on clusters).
         spill["object_spilling_directory"] = str(cfg.cache.spill_directory.resolve())
+    port = _free_port()
     ray.init(
         address="local",
         num_cpus=max(int(-(-need // 1)), os.cpu_count() or 1),
@@ -53,8 +61,18 @@ def ensure_ray(cfg: RunConfig) -> bool:
         # (without it, that actor logs a warning every few seconds).
         include_dashboard=True,
         dashboard_host="127.0.0.1",
+        dashboard_port=port,
         object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
         logging_level=logging.WARNING,
+        runtime_env={"env_vars": {
+            # The cleaner resolves the state API by address "auto", which fails when another
+            # Ray instance runs on the host; name this cluster's API server instead.
+            "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}",
+            # Ray Train collects each rank's report when it polls the workers (every 2 s by
+            # default); with short epochs that floors an epoch's wall time at the interval.
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
+                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"),
+        }},
         **spill,
     )
     logger.info("object store %.0f MiB; spills to %s when full", _LOCAL_OBJECT_STORE_BYTES / 2**20,

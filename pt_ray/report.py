@@ -1,0 +1,386 @@
+"""Run reports: a PNG timeline in the spirit of the paper's figures and a per-epoch table.
+
+Reads the ``summary.json`` contract of :mod:`pt_ray.summary` (or the dict it holds). No torch,
+no Ray: matplotlib with the Agg backend only, so reports render on a laptop, in CI, or in a
+notebook from a run folder copied off a cluster.
+
+The PNG has four panels over epochs, all sharing the x axis (epochs numbered from 1, as the
+per-epoch log lines are):
+
+1. frozen blocks (step plot, against L);
+2. pipeline length K and replicas R (step plots);
+3. training throughput (samples/s), with the cache hit rate as bars where the cache served;
+4. training loss and the eval metric.
+
+Transitions (epochs whose frozen count, K or R differ from the previous epoch's) are dashed
+vertical lines on every panel, annotated on the first; a dotted cyan line marks where the
+activation cache turned on, and epochs where it served samples are shaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from pt_ray.summary import ideal_speedup
+
+__all__ = [
+    "Transition",
+    "cache_epochs",
+    "format_comparison",
+    "format_table",
+    "load_summary",
+    "render_report",
+    "train_time_s",
+    "transitions",
+]
+
+SummaryLike = Mapping[str, Any] | str | Path
+
+
+def load_summary(source: SummaryLike) -> dict[str, Any]:
+    """A summary dict from a dict, a ``summary.json`` path or a run folder holding one.
+
+    Raises:
+        FileNotFoundError: no ``summary.json`` at the path (the message names it).
+        ValueError: the file is not a pt-ray summary (no ``timeline``) or has no epochs.
+    """
+    if isinstance(source, Mapping):
+        summary = dict(source)
+        where = "the summary"
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} does not exist: pass a run folder (holding the summary.json that "
+                f"`pt-ray train` writes) or a summary.json file")
+        if path.is_dir():
+            path = path / "summary.json"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} not found: is {path.parent} a pt-ray run folder? `pt-ray train` "
+                    f"writes summary.json when a run ends")
+        try:
+            summary = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+        where = str(path)
+    timeline = summary.get("timeline")
+    if not isinstance(timeline, list):
+        raise ValueError(f"{where} has no 'timeline' list; is it a pt-ray summary.json?")
+    if not timeline:
+        raise ValueError(f"{where} has no epochs in its timeline; nothing to report")
+    summary["timeline"] = [asdict(r) if is_dataclass(r) else dict(r) for r in timeline]
+    return summary
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A layout change entering an epoch.
+
+    Attributes:
+        epoch: 0-based index of the first epoch under the new layout.
+        changes: ``(field, before, after)`` for each of num_frozen, K, R that changed.
+    """
+
+    epoch: int
+    changes: tuple[tuple[str, int, int], ...]
+
+    def label(self, arrow: str = "->") -> str:
+        """E.g. ``frozen 2->4, K 2->1, R 1->2``."""
+        return ", ".join(f"{name} {a}{arrow}{b}" for name, a, b in self.changes)
+
+
+_LAYOUT_FIELDS = (("frozen", "num_frozen"), ("K", "pipeline_length"), ("R", "num_replicas"))
+
+
+def transitions(timeline: Sequence[Mapping[str, Any]]) -> list[Transition]:
+    """Epochs whose frozen count, K or R differ from the previous epoch's."""
+    out = []
+    for prev, rec in zip(timeline, timeline[1:]):
+        changes = tuple((name, int(prev[key]), int(rec[key])) for name, key in _LAYOUT_FIELDS
+                        if prev[key] != rec[key])
+        if changes:
+            out.append(Transition(int(rec["epoch"]), changes))
+    return out
+
+
+def cache_epochs(timeline: Sequence[Mapping[str, Any]]) -> list[int]:
+    """0-based epochs in which the activation cache served samples (hit rate > 0)."""
+    return [int(r["epoch"]) for r in timeline if r.get("cache_hit_rate", 0.0) > 0]
+
+
+def _cache_active(rec: Mapping[str, Any]) -> bool:
+    """The cache held or served anything in the epoch (it fills before it serves)."""
+    return rec.get("cache_hit_rate", 0.0) > 0 or rec.get("cache_objects", 0) > 0
+
+
+def train_time_s(timeline: Sequence[Mapping[str, Any]]) -> float:
+    """Sum of the epochs' training time (evaluation and start-up excluded)."""
+    return float(sum(r["epoch_time_s"] for r in timeline))
+
+
+def _num(value: Any) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    x = _num(value)
+    return "-" if math.isnan(x) else format(x, spec)
+
+
+def _bounds(timeline: Sequence[Mapping[str, Any]]) -> tuple[float, float | None]:
+    """The ideal speedup bound without the cache, and with it when the cache served."""
+    cached = ideal_speedup(list(timeline), cached=True) if cache_epochs(timeline) else None
+    return ideal_speedup(list(timeline)), cached
+
+
+def _speedup_line(summary: Mapping[str, Any], baseline: Mapping[str, Any]) -> str:
+    ours, theirs = train_time_s(summary["timeline"]), train_time_s(baseline["timeline"])
+    speedup = theirs / ours if ours else float("inf")
+    bound, cached = _bounds(summary["timeline"])
+    ideal = cached if cached is not None else bound
+    return (f"measured speedup {speedup:.2f}x over the baseline's train time {theirs:.2f} s "
+            f"({speedup / ideal:.0%} of the ideal {ideal:.2f}x)")
+
+
+def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> str:
+    """A terminal table: one row per epoch, then totals and the ideal speedup bound.
+
+    Columns: epoch (from 1), frozen/L, K, R, M, throughput (samples/s), epoch time and
+    transition time (s), cache hit rate ("-" while the cache is off; it may hold rows and
+    serve none in the epoch it fills), training loss, the eval metric, and the layout change
+    entering the epoch. The footer gives the training time (sum of epochs), the wall time
+    (start-up included) and the ideal bound of :func:`pt_ray.summary.ideal_speedup`; with a
+    ``baseline`` run (e.g. ``freeze.policy=none`` on the same data), also the measured speedup
+    of training time and its fraction of the bound.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`load_summary`.
+    """
+    s = load_summary(summary)
+    tl = s["timeline"]
+    metric = s.get("metric_name") or "metric"
+    changes = {t.epoch: t.label() for t in transitions(tl)}
+    head = ["epoch", "frozen/L", "K", "R", "M", "samples/s", "epoch s", "trans s", "cache",
+            "loss", metric, "change"]
+    rows = []
+    for r in tl:
+        hit = r.get("cache_hit_rate", 0.0)
+        rows.append([
+            str(r["epoch"] + 1), f"{r['num_frozen']}/{r['num_layers']}",
+            str(r["pipeline_length"]), str(r["num_replicas"]), str(r["num_microbatches"]),
+            _fmt(r["throughput_samples_per_s"], ",.0f"), _fmt(r["epoch_time_s"], ".2f"),
+            _fmt(r.get("transition_time_s", 0.0), ".2f"),
+            f"{hit:.0%}" if _cache_active(r) else "-",
+            _fmt(r.get("train_loss"), ".4f"), _fmt(r.get("eval_metric"), ".4f"),
+            changes.get(r["epoch"], ""),
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        # Right-align numbers; the last column (free text) left-aligned and not padded.
+        return "  ".join(c.rjust(w) for c, w in zip(cells[:-1], widths[:-1])) + (
+            "  " + cells[-1] if cells[-1] else "")
+
+    title = (f"run {s.get('config', {}).get('name', '?')} ({s.get('engine', '?')} engine): "
+             f"{len(tl)} epochs, final {metric} {_fmt(s.get('final_eval_metric'), '.4f')}")
+    rule = "-" * len(line(head))
+    bound, cached = _bounds(tl)
+    foot = (f"train time {train_time_s(tl):.2f} s (sum of epochs); wall time "
+            f"{_fmt(s.get('wall_time_s'), '.1f')} s (start-up and evaluation included)\n"
+            f"ideal speedup bound from the freeze timeline: {bound:.2f}x vs no freezing")
+    if cached is not None:
+        foot += f" ({cached:.2f}x with the frozen prefix fully cached)"
+    if baseline is not None:
+        foot += "\n" + _speedup_line(s, load_summary(baseline))
+    return "\n".join([title, line(head), rule, *(line(r) for r in rows), rule, foot])
+
+
+def format_comparison(runs: Mapping[str, SummaryLike]) -> str:
+    """A table comparing runs (e.g. a sweep), one row each: final frozen/L, the last K and R,
+    training time, wall time, mean throughput, the ideal speedup bound and the final metric.
+
+    Args:
+        runs: a label per run (e.g. ``"alpha=0.2"``) and its summary, summary path or run folder.
+    """
+    loaded = {label: load_summary(src) for label, src in runs.items()}
+    metrics = {s.get("metric_name") or "metric" for s in loaded.values()}
+    metric = metrics.pop() if len(metrics) == 1 else "metric"
+    head = ["run", "epochs", "frozen/L", "K", "R", "train s", "wall s", "samples/s", "ideal",
+            metric]
+    rows = []
+    for label, s in loaded.items():
+        tl = s["timeline"]
+        last = tl[-1]
+        mean = sum(_num(r["throughput_samples_per_s"]) for r in tl) / len(tl)
+        rows.append([label, str(len(tl)), f"{last['num_frozen']}/{last['num_layers']}",
+                     str(last["pipeline_length"]), str(last["num_replicas"]),
+                     f"{train_time_s(tl):.2f}", _fmt(s.get("wall_time_s"), ".1f"),
+                     f"{mean:,.0f}", f"{ideal_speedup(tl):.2f}x",
+                     _fmt(s.get("final_eval_metric"), ".4f")])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join([cells[0].ljust(widths[0])]
+                         + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])])
+
+    return "\n".join([line(head), "-" * len(line(head)), *(line(r) for r in rows)])
+
+
+def _describe(s: Mapping[str, Any]) -> str:
+    cfg = s.get("config") or {}
+    model, data, pipe = cfg.get("model", {}), cfg.get("data", {}), cfg.get("pipeline", {})
+    freeze = cfg.get("freeze", {})
+    parts = []
+    if model:
+        shape = ", ".join(f"{k} {model[k]}" for k in ("depth", "width") if model.get(k))
+        parts.append(f"{model.get('family', '')} {model.get('name', '')}"
+                     + (f" ({shape})" if shape else ""))
+    if data:
+        parts.append(f"data {data.get('name')}, batch {data.get('batch_size')}")
+    if pipe and s.get("engine", cfg.get("engine")) != "reference":
+        parts.append(f"N={pipe.get('num_workers')} workers")
+    if freeze:
+        parts.append(f"freeze {freeze.get('policy')} (alpha {_fmt(freeze.get('alpha'), '.3g')})")
+    return "; ".join(parts)
+
+
+def render_report(summary: SummaryLike, out_png: str | Path,
+                  baseline: SummaryLike | None = None, dpi: int = 120) -> Path:
+    """Render a run's timeline as a PNG (four panels; see the module docstring).
+
+    Args:
+        summary: a summary dict, a ``summary.json`` path or a run folder.
+        out_png: where to write the PNG (parent folders are created).
+        baseline: another run (e.g. without freezing) whose throughput is drawn dashed.
+        dpi: resolution.
+
+    Returns:
+        The PNG's path.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`load_summary`.
+    """
+    # A bare Figure renders with Agg and leaves pyplot (and a notebook's backend) alone.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    s = load_summary(summary)
+    base = load_summary(baseline) if baseline is not None else None
+    tl = s["timeline"]
+    x = [r["epoch"] + 1 for r in tl]
+    L = max(r["num_layers"] for r in tl)
+    metric = s.get("metric_name") or "metric"
+    trans = transitions(tl)
+    cached = cache_epochs(tl)
+
+    # Figure() rather than pyplot: no global state, nothing left open in a long process.
+    fig = Figure(figsize=(10, 10.5), dpi=dpi, layout="constrained")
+    ax_f, ax_kr, ax_t, ax_l = fig.subplots(4, 1, sharex=True,
+                                           gridspec_kw={"height_ratios": [1, 1, 1.1, 1.2]})
+    name = (s.get("config") or {}).get("name", "run")
+    bound, bound_cached = _bounds(tl)
+    fig.suptitle(
+        f"{name} ({s.get('engine', '?')} engine): wall {_fmt(s.get('wall_time_s'), '.1f')} s, "
+        f"train {train_time_s(tl):.1f} s, final {metric} {_fmt(s.get('final_eval_metric'), '.4f')}"
+        f", ideal bound {(bound_cached or bound):.2f}x\n{_describe(s)}", fontsize=11)
+
+    # 1. Frozen blocks.
+    frozen = [r["num_frozen"] for r in tl]
+    # Each epoch's layout spans [e - 0.5, e + 0.5]: stairs with explicit edges.
+    edges = [x[0] - 0.5, *(e + 0.5 for e in x)]
+    ax_f.stairs(frozen, edges, fill=True, color="tab:blue", alpha=0.15)
+    ax_f.stairs(frozen, edges, baseline=None, color="tab:blue", lw=2,
+                label="frozen blocks")
+    ax_f.axhline(L, color="gray", lw=1, ls=":", label=f"L = {L} blocks")
+    ax_f.set_ylim(-0.2, L + 0.5)
+    ax_f.set_ylabel("frozen blocks")
+    ax_f.legend(loc="upper left", fontsize=8)
+
+    # 2. Pipeline length K and replicas R.
+    ks = [r["pipeline_length"] for r in tl]
+    rs = [r["num_replicas"] for r in tl]
+    # K wide and pale under a thin dashed R, so both show where they are equal.
+    ax_kr.stairs(ks, edges, baseline=None, color="tab:purple", lw=5, alpha=0.45,
+                 label="pipeline length K")
+    ax_kr.stairs(rs, edges, baseline=None, color="tab:orange", lw=2, ls="--",
+                 label="replicas R")
+    top = max(ks + rs)
+    ax_kr.set_ylim(0, top + 1)
+    ax_kr.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_kr.set_ylabel("K, R")
+    ax_kr.legend(loc="upper left", fontsize=8)
+
+    # 3. Throughput, and the cache hit rate where the cache served.
+    ax_t.plot(x, [_num(r["throughput_samples_per_s"]) for r in tl], "o-", color="tab:green",
+              ms=4, label="throughput")
+    if base is not None:
+        bx = [r["epoch"] + 1 for r in base["timeline"]]
+        ax_t.plot(bx, [_num(r["throughput_samples_per_s"]) for r in base["timeline"]], "--",
+                  color="gray", label="baseline throughput")
+    ax_t.set_ylabel("samples/s")
+    ax_t.set_ylim(bottom=0)
+    handles, labels = ax_t.get_legend_handles_labels()
+    if cached:
+        ax_c = ax_t.twinx()
+        ax_c.bar(x, [100 * r.get("cache_hit_rate", 0.0) for r in tl], width=0.6,
+                 color="tab:cyan", alpha=0.35, label="cache hit rate")
+        ax_c.set_ylim(0, 105)
+        ax_c.set_ylabel("cache hit rate (%)")
+        ax_t.set_zorder(ax_c.get_zorder() + 1)  # the line over the bars
+        ax_t.patch.set_visible(False)
+        h, lab = ax_c.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    ax_t.legend(handles, labels, loc="upper left", fontsize=8)
+
+    # 4. Training loss (log scale when it spans decades) and the eval metric.
+    losses = [_num(r.get("train_loss")) for r in tl]
+    ax_l.plot(x, losses, "o-", color="tab:red", ms=4, label="train loss")
+    finite = [v for v in losses if not math.isnan(v)]
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+        ax_l.set_yscale("log")
+    ax_l.set_ylabel("train loss")
+    ax_m = ax_l.twinx()
+    ax_m.plot(x, [_num(r.get("eval_metric")) for r in tl], "s-", color="tab:blue", ms=4,
+              label=f"eval {metric}")
+    ax_m.set_ylabel(f"eval {metric}")
+    h1, l1 = ax_l.get_legend_handles_labels()
+    h2, l2 = ax_m.get_legend_handles_labels()
+    ax_l.legend(h1 + h2, l1 + l2, loc="center right", fontsize=8)
+    ax_l.set_xlabel("epoch")
+    ax_l.set_xlim(0.5, len(x) + 0.5)
+    ax_l.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+    # Transitions and cache epochs on every panel.
+    for t in trans:
+        for ax in (ax_f, ax_kr, ax_t, ax_l):
+            ax.axvline(t.epoch + 0.5, color="black", ls="--", lw=0.9, alpha=0.6)
+        ax_f.annotate(t.label("→"), xy=(t.epoch + 0.5, L + 0.5), xytext=(3, -3),
+                      textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7,
+                      bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
+    for e in cached:
+        for ax in (ax_f, ax_kr, ax_t, ax_l):
+            ax.axvspan(e + 0.5, e + 1.5, color="tab:cyan", alpha=0.08, lw=0)
+    active = [r["epoch"] for r in tl if _cache_active(r)]
+    if active:
+        # Where the cache turned on (it fills first, then serves: the shaded epochs).
+        first = active[0]
+        for ax in (ax_f, ax_kr, ax_t, ax_l):
+            ax.axvline(first + 0.5, color="tab:cyan", ls=":", lw=1.5)
+        ax_kr.annotate("cache on", xy=(first + 0.5, top + 0.9), xytext=(3, -3),
+                       textcoords="offset points", va="top", fontsize=8, color="tab:cyan")
+    if trans:
+        ax_f.plot([], [], color="black", ls="--", lw=0.9, label="transition")
+        ax_f.legend(loc="upper left", fontsize=8)
+    for ax in (ax_f, ax_kr, ax_t, ax_l):
+        ax.grid(axis="y", alpha=0.3)
+
+    out = Path(out_png).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    return out
