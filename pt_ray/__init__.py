@@ -35,6 +35,7 @@ __all__ = [
     "Planner",
     "ReferenceTrainer",
     "Result",
+    "SweepResult",
     "RunConfig",
     "build_adapter",
     "build_dataset",
@@ -47,6 +48,7 @@ __all__ = [
     "partition",
     "read_summary",
     "resolve_config",
+    "sweep",
 ]
 
 _LAZY = {
@@ -56,6 +58,8 @@ _LAZY = {
     "build_adapter": ("pt_ray.models.registry", "build_adapter"),
     "build_dataset": ("pt_ray.data.registry", "build_dataset"),
     "load_checkpoint_layers": ("pt_ray.runtime.checkpoint", "load_layers"),
+    "SweepResult": ("pt_ray.service.tune", "SweepResult"),
+    "sweep": ("pt_ray.service.tune", "sweep"),
 }
 
 

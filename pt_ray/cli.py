@@ -8,6 +8,7 @@ import sys
 from pt_ray.logs import setup_logging
 from pt_ray.plan_cli import add_plan_parser
 from pt_ray.report_cli import add_report_parser
+from pt_ray.sweep_cli import add_sweep_parser
 from pt_ray.config import ConfigError
 
 __all__ = ["main"]
@@ -38,13 +39,14 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: <output_dir>/<name> from the config)")
     add_plan_parser(sub)
     add_report_parser(sub)
+    add_sweep_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pt-ray`` console script."""
     args = _parser().parse_args(argv)
-    if args.command in ("plan", "report"):
+    if args.command in ("plan", "report", "sweep"):
         return args.func(args)
     setup_logging()
     from pt_ray.api import fit, resolve_config
