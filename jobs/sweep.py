@@ -23,68 +23,19 @@ trial finished, 1 when some did not, 2 on bad input (nothing started).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-OUTPUT_ENV = "PT_RAY_OUTPUT"
-"""Environment variable: base folder for sweeps without ``--output``."""
-
-DEFAULT_BASE = "~/pt-ray-runs"
-"""Base folder when neither ``--output`` nor ``PT_RAY_OUTPUT`` is given."""
-
-# Set by Ray's job supervisor in the entrypoint's environment (ray.dashboard.modules.job).
-_RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-
-
-def _make_importable() -> None:
-    """Put a ``pt_ray`` package shipped beside this script (or in the cwd) first on sys.path,
-    so the driver imports the same code as the job's workers (see ``jobs/train.py``)."""
-    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
-        if (root / "pt_ray" / "__init__.py").is_file() and str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-
-
-def _known_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--output")
-    args, _ = parser.parse_known_args(argv)
-    return args
-
-
-def _base_dir(env: dict[str, str]) -> Path | None:
-    base = env.get(OUTPUT_ENV)
-    return Path(base).expanduser().resolve() if base else None
+# One set of rules for where a job's output goes and which pt_ray it imports: jobs/train.py's.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import OUTPUT_ENV, _make_importable  # noqa: E402,F401 (OUTPUT_ENV: documented here)
+from train import output_dir as _run_output_dir  # noqa: E402
 
 
 def output_dir(argv: list[str], env: dict[str, str] | None = None) -> Path | None:
-    """The absolute sweep folder for ``argv`` (see the module docstring for the order).
-
-    Returns None when the config does not resolve: ``pt-ray sweep`` then reports the error.
-    """
-    from pt_ray.api import resolve_config
-    from pt_ray.config import ConfigError
-
-    env = dict(os.environ if env is None else env)
-    try:
-        args = _known_args(argv)
-    except argparse.ArgumentError:
-        return None
-    fallback = _base_dir(env) or Path(DEFAULT_BASE).expanduser().resolve()
-    if args.output:
-        out = Path(args.output).expanduser()
-        if not out.is_absolute() and _RAY_JOB_ENV in env:
-            return fallback / out  # the job's cwd is deleted when the job ends
-        return out.resolve()
-    try:
-        cfg = resolve_config(args.config, args.overrides)
-    except ConfigError:
-        return None
-    if _base_dir(env) is None and cfg.output_dir.is_absolute():
-        return cfg.output_dir / f"{cfg.name}-sweep"
-    return fallback / f"{cfg.name}-sweep"
+    """The absolute sweep folder for ``argv``: the run folder rules of ``jobs/train.py`` with
+    ``-sweep`` after the run name. None when the config does not resolve."""
+    return _run_output_dir(argv, env, suffix="-sweep")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,8 +59,11 @@ def _base_dir(env: dict[str, str]) -> Path | None:
     return Path(base).expanduser().resolve() if base else None
 
 
-def output_dir(argv: list[str], env: dict[str, str] | None = None) -> Path | None:
-    """The absolute run folder for ``argv`` (see the module docstring for the order).
+def output_dir(
+    argv: list[str], env: dict[str, str] | None = None, suffix: str = ""
+) -> Path | None:
+    """The absolute run folder for ``argv`` (see the module docstring for the order);
+    ``suffix`` is appended to the run name (``jobs/sweep.py`` uses ``-sweep``).
 
     Returns None when the config does not resolve: ``pt-ray train`` then reports the error.
     """
@@ -83,8 +86,8 @@ def output_dir(argv: list[str], env: dict[str, str] | None = None) -> Path | Non
     except ConfigError:
         return None
     if _base_dir(env) is None and cfg.output_dir.is_absolute():
-        return cfg.run_dir()
-    return fallback / cfg.name
+        return cfg.output_dir / f"{cfg.name}{suffix}"
+    return fallback / f"{cfg.name}{suffix}"
 
 
 def main(argv: list[str] | None = None) -> int:
