@@ -80,7 +80,12 @@ def start_ray(num_cpus: int, object_store_mb: int, log_to_driver: bool) -> None:
         object_store_memory=object_store_mb * 2**20,
         logging_level=logging.WARNING,
         log_to_driver=log_to_driver,
-        runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
+        runtime_env={"env_vars": {
+            "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}",
+            # As pt-ray's embedded cluster does: Ray Train collects reports when it polls.
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
+                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"),
+        }},
     )
 
 

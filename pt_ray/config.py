@@ -183,6 +183,14 @@ class PipelineConfig(_Section):
                 f"{self.num_workers}; choose at most {self.num_workers}"
             )
         k = self.pipeline_length
+        k0 = k if isinstance(k, int) else self.num_workers
+        m = self.num_microbatches
+        if self.schedule == "1f1b" and isinstance(m, int) and 1 < k0 and m < k0:
+            raise ValueError(
+                f"pipeline.num_microbatches={m} is fewer than the {k0} pipeline stages; 1f1b "
+                f"needs at least one micro-batch per stage: choose num_microbatches >= {k0}, "
+                "'auto', or pipeline.schedule=gpipe"
+            )
         if isinstance(k, int) and self.num_workers % k:
             raise ValueError(
                 f"pipeline.pipeline_length={k} does not divide pipeline.num_workers="

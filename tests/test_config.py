@@ -38,6 +38,8 @@ def test_yaml_then_overrides_in_order(tmp_path):
         ("data.batch_size=7", r"data\.batch_size=7 is not divisible by pipeline\.num_workers=2"),
         ("data.name=cifar10", r"set data\.path"),
         ("model.width=64", None),
+        ("pipeline.num_microbatches=1",
+         r"pipeline\.num_microbatches=1 is fewer than the 2 pipeline stages"),
         ("freeze", r"not key=value"),
     ],
 )

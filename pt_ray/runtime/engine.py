@@ -243,6 +243,10 @@ class ElasticWorker:
             self._submit_norms(decision - 1)
         return self.apply_plan(self.controller.plan_for(decision))
 
+    def steps_in_epoch(self) -> int:
+        """Optimizer steps in an epoch under the current plan (for progress reporting)."""
+        return len(self.splits.train) // max(self._replicas_batch(), 1)
+
     def resume_decision(self) -> int:
         """After an epoch: the decision point a resumed run starts from. Per epoch it is the next
         epoch's (decided once every rank has submitted its norms); every k steps it is the last

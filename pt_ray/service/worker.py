@@ -30,6 +30,7 @@ from pt_ray.runtime.engine import ElasticWorker
 from pt_ray.runtime.reference import build_model_for
 from pt_ray.service.cache import RayStore
 from pt_ray.service.controller import RayController
+from pt_ray.progress import RunProgress
 from pt_ray.summary import format_epoch
 
 __all__ = ["FAULT_ENV", "train_loop_per_worker"]
@@ -94,8 +95,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                      adapter.metric_name, "local-cpu" if device.type == "cpu" else _GPU_PROFILE,
                      splits.train.deterministic_transform)
     store = RayStore(config["cache"]) if config.get("cache") else None
+    # Rank 0 shows each epoch's progress (plain lines: a Ray worker's stdout is no terminal).
+    progress = RunProgress(
+        cfg.epochs, lambda _epoch: worker.steps_in_epoch(),
+        enabled=rank == 0 and cfg.logging.progress != "off",
+        mode="auto" if cfg.logging.progress == "off" else cfg.logging.progress,
+    )
+    fault = _fault_hook(rank)
+
+    def on_step(epoch: int, step: int) -> None:
+        progress(epoch, step)
+        if fault is not None:
+            fault(epoch, step)
+
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, on_step=_fault_hook(rank), store=store)
+                           device=device, on_step=on_step, store=store)
 
     first_epoch = 0
     checkpoint = ray.train.get_checkpoint()
@@ -122,6 +136,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 controller.plan_for(nxt)  # every rank's norms are in: the decision is made
                 write_meta(Path(tmp), {**worker.checkpoint_meta(epoch), "next_decision": nxt,
                                        "controller": controller.state_dict()})
+                progress.end_epoch()
                 logger.info(format_epoch(rec, cfg.epochs, adapter.metric_name))
             ray.train.report(
                 {**asdict(rec), "metric_name": adapter.metric_name},
