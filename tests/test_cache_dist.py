@@ -16,16 +16,8 @@ from pt_ray.runtime.reference import build_model_for
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-VIT = {
-    "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
-              "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
-    "data": {"name": "synthetic_image", "num_samples": 96, "image_size": 8, "batch_size": 16},
-}
-BERT = {
-    "model": {"family": "hf", "name": "bert", "depth": 4, "width": 32, "num_heads": 2,
-              "mlp_ratio": 2.0, "dropout": 0.0},
-    "data": {"name": "synthetic_text", "num_samples": 96, "seq_len": 12, "batch_size": 16},
-}
+# The same tiny models and data as the engine's equivalence tests.
+from test_engine_dist import BERT, VIT  # noqa: E402
 
 
 def config(base, mode, workers=4, **extra):
