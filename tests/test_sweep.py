@@ -270,10 +270,10 @@ def no_ray(monkeypatch):
     """Fail the test if a sweep gets as far as starting or attaching to Ray."""
     import pt_ray.service.tune as tune_mod
 
-    def refuse(_cfg):
+    def refuse(_cfg, min_cpus=0.0):
         raise AssertionError("Ray was started despite bad input")
 
-    monkeypatch.setattr(tune_mod, "_ensure_ray", refuse)
+    monkeypatch.setattr(tune_mod, "ensure_ray", refuse)
     return tune_mod
 
 

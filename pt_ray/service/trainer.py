@@ -37,9 +37,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ensure_ray(cfg: RunConfig) -> bool:
+def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
     """Attach to the cluster in ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or start an
-    embedded local one sized for the run. Returns True when this call started Ray."""
+    embedded local one sized for the run (and for at least ``min_cpus`` logical CPUs, e.g. a
+    Tune trial plus its run). Returns True when this call started Ray."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -47,7 +48,7 @@ def ensure_ray(cfg: RunConfig) -> bool:
         ray.init(logging_level=logging.WARNING)
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    need = cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker
+    need = max(cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker, min_cpus)
     spill = {}
     if cfg.cache.spill_directory is not None:
         cfg.cache.spill_directory.mkdir(parents=True, exist_ok=True)

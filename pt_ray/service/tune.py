@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
-import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from ray import tune
 
 from pt_ray.config import ConfigError, RunConfig
 from pt_ray.logs import setup_logging
+from pt_ray.service.trainer import ensure_ray
 from pt_ray.summary import ideal_speedup
 from pt_ray.sweep import (
     ClusterTooSmallError,
@@ -56,7 +55,6 @@ EXPERIMENT = "tune"
 """Tune's experiment folder under the sweep folder (``Tuner.restore`` takes its path)."""
 
 _SPEC = "sweep_spec.json"
-_LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -134,7 +132,9 @@ def sweep(
     restoring = _check_folder(sweep_dir, exp_dir, variants, configs, resume)
     _preflight(configs.values())
 
-    started = _ensure_ray(base)
+    # One trial must fit: 2 workers x 1 CPU + the trial's sliver is 3 logical CPUs on a 2-core
+    # machine (the sliver only waits).
+    started = ensure_ray(base, min_cpus=_need(base, gpus=0)["CPU"])
     try:
         k, why = _size(base, len(variants), max_concurrent)
         logger.info("sweep of %d trials (%s) in %s: %d at a time (%s)", len(variants),
@@ -285,42 +285,6 @@ def _preflight(configs: Iterable[Mapping[str, Any]]) -> None:
         if key not in seen:
             seen.add(key)
             preflight(build_config(c))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _ensure_ray(cfg: RunConfig) -> bool:
-    """Attach to the cluster in ``RAY_ADDRESS`` or the one already initialised, or start an
-    embedded local one with this machine's CPUs (at least one trial's worth). Returns True
-    when this call started Ray."""
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=logging.WARNING)
-        return True
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    need = _need(cfg, gpus=0)["CPU"]
-    port = _free_port()
-    ray.init(
-        address="local",
-        # One trial must fit: 2 workers x 1 CPU + the trial's sliver is 3 logical CPUs on a
-        # 2-core machine (the sliver only waits).
-        num_cpus=max(os.cpu_count() or 1, math.ceil(need)),
-        include_dashboard=True,  # Ray Train's placement-group cleaner polls the state API
-        dashboard_host="127.0.0.1",
-        dashboard_port=port,
-        object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
-        logging_level=logging.WARNING,
-        # The cleaner resolves the state API with address "auto", which fails when another
-        # Ray instance runs on the host; point it at this one.
-        runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
-    )
-    return True
 
 
 def _need(cfg: RunConfig, gpus: float) -> dict[str, float]:
