@@ -22,6 +22,7 @@ from pt_ray.runtime.prefix import CachedPrefix
 from pt_ray.runtime.reference import ReferenceTrainer, build_model_for
 from pt_ray.service.cache import CacheActor, RayStore
 from pt_ray.service.trainer import run_on_ray
+from test_ray_engine import tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -124,10 +125,22 @@ def test_lost_objects_and_a_dead_cache_read_as_misses(ray_cluster):
     # The cache actor itself dies (its objects with it): reads miss, writes are dropped.
     store.actor = actor
     ray.kill(actor)
+    wait_until_dead(actor)  # ray.kill is asynchronous: a read could still reach it
     assert store.read([0], 1) == []
     store.write(1, 2, 1, *rows([2, 3], 1), ["float32"])
     store.flush()
     assert store.stats().objects == 0
+
+
+def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=1)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed cache actor still answers")
 
 
 def test_cached_prefix_over_a_dead_cache_still_gives_the_prefix(ray_cluster):
@@ -149,23 +162,17 @@ def test_cached_prefix_over_a_dead_cache_still_gives_the_prefix(ray_cluster):
     again = prefix(2, idx, load)
     assert prefix.counters.hits == 16 and torch.equal(first[0], again[0])
     ray.kill(actor)
+    wait_until_dead(actor)  # ray.kill is asynchronous: a lookup could still reach it
     after = prefix(2, idx, load)
     assert prefix.counters.misses == 32 and torch.equal(first[0], after[0])
 
 
 def job(tmp_path, **extra):
-    return build_config({
+    """The engine's Ray test job (tests/test_ray_engine.py) with the cache on, 4 epochs."""
+    return tiny_config(tmp_path, **{
         "name": "ray-cache",
-        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
-                  "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
-        "data": {"name": "synthetic_image", "num_samples": 128, "image_size": 8,
-                 "batch_size": 16},
-        "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
-        "pipeline": {"num_workers": 2, "schedule": "1f1b", "policy": "paper"},
-        "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
         "cache": {"mode": "on", "block_size": 16, "spill_directory": str(tmp_path / "spill")},
         "epochs": 4,
-        "output_dir": str(tmp_path),
         **extra,
     })
 
