@@ -170,6 +170,12 @@ class PipelineConfig(_Section):
     """CPUs reserved per worker (and torch threads on CPU workers)."""
     max_failures: int = Field(default=2, ge=-1)
     """Worker-group restarts from the latest checkpoint before the run fails (-1: no limit)."""
+    elastic: bool = True
+    """AutoPipe and AutoDP: as blocks freeze, shorten the pipeline (K) and add replicas (R).
+    ``false`` pins K and R at their start values, the paper's "freeze only" ablation: frozen
+    blocks still move onto stage 0 (and may be cached) and the active ones are re-balanced over
+    the same K stages, but no device is freed. At most L - K blocks then freeze, so that every
+    stage keeps a trainable block (``freeze.max_frozen`` is capped, and the log says so)."""
 
     @model_validator(mode="after")
     def _k_divides_n(self) -> PipelineConfig:

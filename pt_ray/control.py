@@ -29,6 +29,7 @@ __all__ = [
     "cache_policy",
     "merge_costs",
     "policy_for",
+    "start_pipeline_length",
     "transition_line",
 ]
 
@@ -260,15 +261,37 @@ class ControlState:
             self.policy.load_state_dict(state["policy"])
 
 
-def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int) -> FreezePolicy:
+def start_pipeline_length(cfg: RunConfig, num_layers: int, num_workers: int) -> int:
+    """K of a run's first plan: ``pipeline.pipeline_length`` when it divides the workers Ray
+    gave the run, else the largest divisor of N that leaves every stage a block."""
+    k0 = cfg.pipeline.pipeline_length
+    if isinstance(k0, int) and num_workers % k0 == 0:
+        return k0
+    return max(d for d in range(1, num_workers + 1)
+               if num_workers % d == 0 and d <= max(num_layers, 1))
+
+
+def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
+               pinned_length: int | None = None) -> FreezePolicy:
     """The run's freeze policy. The warm-up is given in epochs; with ``interval=steps`` it is
-    converted to decision points (``ceil(warmup_epochs * steps_per_epoch / interval_steps)``)."""
+    converted to decision points (``ceil(warmup_epochs * steps_per_epoch / interval_steps)``).
+    With the pipeline pinned at K stages (``pipeline.elastic=false``) at most L - K blocks
+    freeze."""
     f = cfg.freeze
     warmup = f.warmup_epochs
     if f.interval == "steps":
         warmup = -(-f.warmup_epochs * steps_per_epoch // f.interval_steps)
+    max_frozen = f.max_frozen
+    if pinned_length is not None and f.policy != "none":
+        cap = num_layers - pinned_length
+        wanted = num_layers - 1 if max_frozen is None else max_frozen
+        if wanted > cap:
+            logger.info("pipeline.elastic=false pins K=%d: at most %d of %d blocks will freeze "
+                        "(freeze.max_frozen %s -> %d)", pinned_length, cap, num_layers,
+                        "default" if max_frozen is None else max_frozen, cap)
+            max_frozen = cap
     return build_freeze_policy(
-        f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=f.max_frozen, warmup=warmup
+        f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=max_frozen, warmup=warmup
     )
 
 
@@ -292,17 +315,13 @@ def build_control_state(
         deterministic_transform: whether the training split's transform is deterministic
             (the activation cache is only valid then, unless the user opts in).
     """
-    policy = policy_for(cfg, num_layers, steps_per_epoch)
     cache = cache_policy(cfg, deterministic_transform)
     logger.info("activation cache %s: %s", "off" if cache.mode == "off" else "allowed",
                 cache.reason)
     p = cfg.pipeline
-    k0 = p.pipeline_length if isinstance(p.pipeline_length, int) else None
-    if k0 is not None and num_workers % k0:
-        k0 = None  # the configured K does not fit the workers Ray gave us: start at K = N
-    largest = max(d for d in range(1, num_workers + 1)
-                  if num_workers % d == 0 and d <= max(num_layers, 1))
-    k0 = k0 if k0 is not None else largest
+    k0 = start_pipeline_length(cfg, num_layers, num_workers)
+    policy = policy_for(cfg, num_layers, steps_per_epoch,
+                        pinned_length=None if p.elastic else k0)
     forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
     budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
     hw_name = hardware if p.hardware == "auto" else p.hardware
@@ -313,12 +332,13 @@ def build_control_state(
                            batch_policy=cfg.batch_policy, schedule=p.schedule,
                            initial_pipeline_length=k0, num_microbatches=forced_m,
                            memory_budget=budget,
-                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw_name))
+                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw_name),
+                           elastic=p.elastic)
         planner = CostModelPlanner(
             num_workers, costs, load_hardware(hw_name), batch_size=cfg.data.batch_size,
             batch_policy=cfg.batch_policy, schedule=p.schedule, initial_pipeline_length=k0,
             num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
-            cache_min_frozen=cfg.cache.min_frozen or 1,
+            cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
         )
         if budget is None:
             # DESIGN.md: by default a stage may hold what the largest stage held at the start.

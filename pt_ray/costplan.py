@@ -22,7 +22,7 @@ from typing import Literal
 
 from pt_ray.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, step_time
 from pt_ray.partition import Partition, partition
-from pt_ray.plan import CostTable, Plan, divisors
+from pt_ray.plan import CostTable, Plan, pinned_length, divisors
 
 __all__ = ["CostModelPlanner", "cache_break_even"]
 
@@ -56,6 +56,8 @@ class CostModelPlanner:
         optimizer_traffic: see :func:`pt_ray.costmodel.step_time`.
         accumulate: whether the runtime accumulates gradients over M micro-batches at K = 1
             (the engine does not yet: it runs the replica batch at once, M = 1).
+        elastic: False pins K (and R) at the initial plan's as blocks freeze; M and the cache
+            are still chosen by prediction (see :class:`pt_ray.plan.Planner`).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class CostModelPlanner:
         max_microbatches_per_stage: int = 16,
         optimizer_traffic: float = 5.0,
         accumulate: bool = False,
+        elastic: bool = True,
     ) -> None:
         fits_layers = [d for d in divisors(num_workers) if d <= max(1, costs.num_layers)]
         if initial_pipeline_length is not None and initial_pipeline_length not in fits_layers:
@@ -102,6 +105,7 @@ class CostModelPlanner:
         self.max_microbatches_per_stage = max_microbatches_per_stage
         self.optimizer_traffic = optimizer_traffic
         self.accumulate = accumulate
+        self.elastic = elastic
         self._predictions: dict[Plan, StepBreakdown] = {}
         self.memory_budget = memory_budget if memory_budget is not None else 0.9 * hw.device_memory_bytes
         if initial_pipeline_length is None:
@@ -213,6 +217,8 @@ class CostModelPlanner:
     def _choose(self, num_frozen: int, current: int) -> Plan:
         active = self.costs.num_layers - num_frozen
         ks = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
+        if not self.elastic:
+            ks = [pinned_length(current, active, num_frozen)]
         caches = [False]
         if num_frozen > 0 and self.cache == "on":
             caches = [True]
@@ -271,6 +277,7 @@ class CostModelPlanner:
             max_microbatches_per_stage=self.max_microbatches_per_stage,
             optimizer_traffic=self.optimizer_traffic, accumulate=self.accumulate,
         )
+        # A new N re-plans K from scratch even when not elastic: the old K may not divide it.
         return replace(planner._choose(prev.num_frozen, num_workers),
                        generation=prev.generation + 1)
 

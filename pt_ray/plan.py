@@ -27,6 +27,7 @@ __all__ = [
     "Planner",
     "Transfer",
     "divisors",
+    "pinned_length",
     "holders",
     "is_trainable",
     "stage_of",
@@ -176,6 +177,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pinned_length(k: int, active: int, num_frozen: int) -> int:
+    """K for a planner that is not elastic: ``k`` itself, which needs ``k`` active blocks."""
+    if active < k:
+        raise ValueError(
+            f"num_frozen={num_frozen} leaves {active} trainable blocks for a pipeline pinned at "
+            f"K={k} (pipeline.elastic=false); freeze at most {num_frozen + active - k} blocks "
+            "(freeze.max_frozen) or let K shrink (pipeline.elastic=true)"
+        )
+    return k
+
+
 class Planner:
     """Chooses Plans by the paper's rule over an exact partition of measured costs.
 
@@ -195,6 +207,10 @@ class Planner:
         cache_from: turn the activation cache on in plans with at least this many frozen
             blocks (the paper's code: 3); None: never. While the cache serves it, the frozen
             prefix weighs nothing on stage 0.
+        elastic: False pins K at ``initial_pipeline_length`` (and R = N / K with it) as blocks
+            freeze: the frozen prefix still moves onto stage 0 and the active blocks are
+            re-partitioned over the same K stages (the paper's "freeze only" ablation). At most
+            L - K blocks may then freeze, so that every stage keeps a trainable block.
     """
 
     def __init__(
@@ -211,6 +227,7 @@ class Planner:
         frozen_weight: float = 1.0,
         optimizer_state_factor: float = 4.0,
         cache_from: int | None = None,
+        elastic: bool = True,
     ) -> None:
         if cache_from is not None and cache_from < 1:
             raise ValueError(f"cache_from={cache_from} must be at least 1 (a frozen block) or None")
@@ -236,6 +253,7 @@ class Planner:
         self.frozen_weight = frozen_weight
         self.optimizer_state_factor = optimizer_state_factor
         self.cache_from = cache_from
+        self.elastic = elastic
         self.memory_budget = (
             memory_budget
             if memory_budget is not None
@@ -327,8 +345,10 @@ class Planner:
     def pipeline_length_for(self, num_frozen: int, current: int) -> int:
         """The paper's rule: the shortest pipeline (a divisor of N, at most ``current``) whose
         largest stage fits the memory budget; ``current`` (capped by the active blocks) if none
-        does."""
+        does. Not elastic: ``current``."""
         active = self.costs.num_layers - num_frozen
+        if not self.elastic:
+            return pinned_length(current, active, num_frozen)
         candidates = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
         for k in candidates:
             part = self._partition(num_frozen, k)
@@ -349,7 +369,9 @@ class Planner:
         return self._make(prev.generation + 1, num_frozen, k, self._partition(num_frozen, k))
 
     def replan(self, prev: Plan, num_workers: int) -> Plan:
-        """A plan for a different device count (a restart with a new N), keeping ``num_frozen``."""
+        """A plan for a different device count (a restart with a new N), keeping ``num_frozen``.
+        K is chosen afresh for the new N even when not elastic (the old K may not divide it);
+        later plans keep the new K."""
         planner = Planner(
             num_workers,
             self.costs,

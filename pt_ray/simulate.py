@@ -6,7 +6,10 @@ is ``ceil(dataset / global batch)`` steps, plus the transition into its plan. Th
 prices the paper's ablations (He et al., ICML 2021, Fig. "speedup breakdown"), each against the
 no-freeze baseline (K0, R0 = N / K0, nothing frozen):
 
-* ``freeze_only``: layers freeze but keep their stages (they skip only their backward); K0, R0;
+* ``freeze_only``: layers freeze, K0 and R0 stay. Under pt-ray's runtime the frozen prefix moves
+  onto stage 0 and the active blocks re-balance over the K0 stages (``pipeline.elastic=false``;
+  at most L - K0 blocks freeze); under the 2021 runtime the step stays the baseline's and each
+  freeze costs a transition (see :data:`pt_ray.costmodel.PT_2021` for the evidence);
 * ``freeze_autopipe_autocache``: K shrinks, no replicas are added (freed devices idle), cache on;
 * ``freeze_autopipe_autodp``: K shrinks and R = N / K grows; no cache;
 * ``all``: AutoFreeze, AutoPipe, AutoDP and AutoCache together (the run itself).
@@ -173,26 +176,29 @@ def build_planner(
     runtime: Runtime = PT_RAY,
     activation_memory_factor: float = 24.0,
     optimizer_traffic: float = 5.0,
+    elastic: bool = True,
     **common: Any,
 ):
     """The planner ``simulate`` uses: ``cost`` (:class:`CostModelPlanner`), ``paper``
     (:class:`pt_ray.plan.Planner` on these costs) or ``2021`` (the 2021 code's rule: parameter
     counts, frozen layers weighing nothing, its M table); the rule planners turn the cache on
-    from ``cache_from`` frozen blocks (1 with ``cache="on"``). ``common``: batch_size,
+    from ``cache_from`` frozen blocks (1 with ``cache="on"``); ``elastic=False`` pins K and R.
+    ``common``: batch_size,
     batch_policy, schedule, initial_pipeline_length, num_microbatches, memory_budget."""
     if kind == "cost":
         return CostModelPlanner(num_devices, costs, hw, cache=cache, runtime=runtime,
                                 activation_memory_factor=activation_memory_factor,
-                                optimizer_traffic=optimizer_traffic, **common)
+                                optimizer_traffic=optimizer_traffic, elastic=elastic, **common)
     start = None if cache == "off" else (1 if cache == "on" else cache_from)
     if kind == "paper":
-        return _RulePlanner(Planner(num_devices, costs, **common), start, table=False)
+        return _RulePlanner(Planner(num_devices, costs, elastic=elastic, **common), start,
+                            table=False)
     if kind == "2021":
         params = CostTable.from_param_counts(costs.embed.param_bytes,
                                              [b.param_bytes for b in costs.blocks],
                                              costs.head.param_bytes)
         inner = Planner(num_devices, params, frozen_weight=0.0, optimizer_state_factor=1.0,
-                        **common)
+                        elastic=elastic, **common)
         return _RulePlanner(inner, start, table=True)
     raise ValueError(f"planner={kind!r} is not one of 'cost', 'paper', '2021'")
 
@@ -279,8 +285,14 @@ def simulate(
     runs = {}
     for name in names:
         want_cache = cache if SCENARIOS[name][3] else "off"
-        plans = build_planner(planner, costs, hw, num_devices, cache=want_cache, **common)
-        runs[name] = _run(name, timeline, plans, costs, hw, runtime, dataset_size, batch_size,
+        pinned = name == "freeze_only" and runtime.freeze_only == "pinned"
+        plans = build_planner(planner, costs, hw, num_devices, cache=want_cache,
+                              elastic=not pinned, **common)
+        line = timeline
+        if pinned:  # every one of the K0 stages keeps a trainable block
+            cap = layers - plans.initial_plan().pipeline_length
+            line = [min(n, cap) for n in timeline]
+        runs[name] = _run(name, line, plans, costs, hw, runtime, dataset_size, batch_size,
                           batch_policy, optimizer_traffic)
     settings = dict(num_devices=num_devices, dataset_size=dataset_size, epochs=epochs,
                     batch_size=batch_size, batch_policy=batch_policy, schedule=schedule,
@@ -299,20 +311,18 @@ def _run(name: str, timeline: Sequence[int], planner, costs: CostTable, hw: Hard
          runtime: Runtime, dataset_size: int, batch_size: int, batch_policy: str,
          optimizer_traffic: float) -> RunPrediction:
     freeze, autopipe, autodp, _ = SCENARIOS[name]
+    # "freeze only": a pinned planner (pt-ray), or the baseline's plan throughout (2021).
+    replans = autopipe or (freeze and runtime.freeze_only == "pinned")
     plan = start = planner.initial_plan()
     prev_exec: Plan | None = None
+    prev_n = 0
     level: int | None = None
     out = []
     for epoch, n in enumerate(timeline):
         n = n if freeze else 0
-        in_place = 0
-        if autopipe:
+        if replans:
             plan = planner.next_plan(plan, n)
-        else:
-            in_place = n
         exec_plan = plan if autodp else replace(plan, num_replicas=start.num_replicas)
-        if in_place:
-            exec_plan = replace(exec_plan, cache=False)
         state = "off"
         if exec_plan.cache:
             state = "hit" if level is not None else "miss"
@@ -320,16 +330,18 @@ def _run(name: str, timeline: Sequence[int], planner, costs: CostTable, hw: Hard
         per_replica = batch_size if batch_policy == "per_replica" else batch_size // r
         st = step_time(exec_plan, costs, hw, per_replica, runtime=runtime,
                        cache_state="miss" if state == "miss" else "hit", cached_level=level,
-                       frozen_in_place=in_place, optimizer_traffic=optimizer_traffic)
+                       optimizer_traffic=optimizer_traffic)
         steps = math.ceil(dataset_size / (per_replica * r))
         moved = prev_exec is not None and replace(prev_exec, cache=False, generation=0) != replace(
             exec_plan, cache=False, generation=0)
         trans = transition_time(prev_exec, exec_plan, costs, hw, runtime=runtime) if moved else 0.0
+        if not replans and n != prev_n:  # the 2021 code rebuilds its pipe and DDP to freeze
+            trans = hw.group_setup_s + runtime.transition_overhead_s
         out.append(EpochPrediction(
             epoch=epoch, num_frozen=n, pipeline_length=exec_plan.pipeline_length,
             num_replicas=r, num_microbatches=exec_plan.num_microbatches, cache=state,
             throughput=st.throughput, step_time_s=st.step_s, epoch_time_s=steps * st.step_s,
             transition_time_s=trans, bubble_fraction=st.bubble_fraction))
         level = n if exec_plan.cache else None
-        prev_exec = exec_plan
+        prev_exec, prev_n = exec_plan, n
     return RunPrediction(name, LABELS[name], tuple(out))

@@ -269,6 +269,22 @@ def test_planner_invariants_memory_and_shrinking_k():
         cost.next_plan(plan, 0)
 
 
+def test_pinned_planner_chooses_m_and_cache_but_keeps_k():
+    pinned, _ = vit_planner(elastic=False, cache="auto")
+    free, _ = vit_planner(cache="auto")
+    plan = pinned.initial_plan()
+    for n in (1, 3, 4):
+        plan = pinned.next_plan(plan, n)
+        assert (plan.pipeline_length, plan.num_replicas) == (8, 1)
+        assert plan.boundaries[0] == n
+        # Same M and cache as the elastic planner would pick at K = 8.
+        best = free._best(n, 8, plan.cache)
+        assert plan.num_microbatches == best.num_microbatches
+    assert free.next_plan(free.initial_plan(), 4).pipeline_length < 8
+    with pytest.raises(ValueError, match="pinned at K=8"):
+        pinned.next_plan(plan, 5)
+
+
 def test_a_tight_budget_keeps_the_pipeline_long():
     roomy, _ = vit_planner(memory_budget=1e12)
     start = roomy.initial_plan()

@@ -98,6 +98,23 @@ def test_four_workers_with_transitions_match_reference(base, schedule):
         assert mine.eval_metric == pytest.approx(ref.eval_metric, abs=1e-9)
 
 
+def test_pinned_pipeline_freezes_in_place_and_matches_reference():
+    # pipeline.elastic=false (the "freeze only" ablation): K = 2 and R = 1 for the whole run;
+    # freezing is capped at L - K = 2 blocks (max_frozen asks for 3), which stage 0 takes over
+    # while the active blocks re-balance over both stages.
+    cfg = config(VIT, "1f1b", 2, pipeline={"num_workers": 2, "schedule": "1f1b",
+                                           "policy": "paper", "elastic": False})
+    results = run_ranks(train_rank, 2, cfg)
+    timeline = results[0][1]
+    assert [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in timeline] == [
+        (0, 2, 1), (2, 2, 1), (2, 2, 1)
+    ]
+    ref_timeline = assert_same_parameters(results, cfg)
+    assert [r.num_frozen for r in ref_timeline] == [0, 2, 2]
+    for mine, ref in zip(timeline, ref_timeline):
+        assert mine.train_loss == pytest.approx(ref.train_loss, abs=1e-4)
+
+
 def test_step_interval_transitions_mid_epoch_match_reference():
     cfg = config(VIT, "1f1b", 2, freeze={"policy": "schedule", "alpha": 0.5, "max_frozen": 3,
                                          "warmup_epochs": 0, "interval": "steps",

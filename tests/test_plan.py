@@ -108,3 +108,45 @@ def test_replan_for_fewer_workers_keeps_frozen_prefix():
     smaller = planner.replan(plan, 4)
     assert smaller.num_workers == 4 and smaller.num_frozen == 5
     assert smaller.generation == plan.generation + 1
+
+
+def test_pinned_pipeline_keeps_k_and_r_and_rebalances():
+    planner = Planner(8, VIT_B16_C100, batch_size=64, initial_pipeline_length=4, elastic=False)
+    plan = planner.initial_plan()
+    for n in (2, 5, 8):
+        plan = planner.next_plan(plan, n)
+        assert (plan.pipeline_length, plan.num_replicas) == (4, 2)
+        assert plan.boundaries[0] == n and plan.boundaries[-1] == 12
+        assert all(hi > lo for lo, hi in zip(plan.boundaries, plan.boundaries[1:]))
+    with pytest.raises(ValueError, match=r"freeze at most 8 blocks.*pipeline.elastic=true"):
+        planner.next_plan(plan, 9)
+    # The elastic planner shrinks K for the same freeze.
+    elastic = Planner(8, VIT_B16_C100, batch_size=64, initial_pipeline_length=4)
+    assert elastic.next_plan(elastic.initial_plan(), 8).pipeline_length < 4
+
+
+@pytest.mark.parametrize("policy", ["paper", "cost"])
+def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
+    from pt_ray.config import build_config
+    from pt_ray.control import build_control_state
+
+    cfg = build_config({
+        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 6, "width": 32,
+                  "num_heads": 2, "patch_size": 4},
+        "data": {"name": "synthetic_image", "num_samples": 64, "image_size": 8,
+                 "batch_size": 16},
+        "freeze": {"policy": "schedule", "alpha": 0.9, "warmup_epochs": 0},
+        "pipeline": {"num_workers": 2, "policy": policy, "elastic": False},
+    })
+    caplog.set_level("INFO", logger="pt_ray.control")
+    state = build_control_state(cfg, 6, 2, 4)
+    assert "at most 4 of 6 blocks will freeze" in caplog.text
+    for r in range(2):
+        state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 6, 1.0))
+    plan = state.plan_for(0)
+    for decision in range(1, 6):
+        state.submit_norms(decision - 1, 0, {i: 1.0 for i in range(6)})
+        state.submit_norms(decision - 1, 1, {i: 1.0 for i in range(6)})
+        plan = state.plan_for(decision)
+        assert (plan.pipeline_length, plan.num_replicas) == (2, 1)
+    assert plan.num_frozen == 4

@@ -27,7 +27,7 @@ from pt_ray.config import RunConfig
 from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
-from pt_ray.control import policy_for
+from pt_ray.control import policy_for, start_pipeline_length
 from pt_ray.freeze import FreezePolicy
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers, layer_module
 from pt_ray.models.registry import build_adapter
@@ -145,8 +145,11 @@ class ReferenceTrainer:
         # The run's order (cache blocks kept whole when the cache may turn on), as the engine's.
         self.sampler = training_sampler(cfg, len(self.splits.train),
                                         self.splits.train.deterministic_transform)
-        self.policy = policy or policy_for(cfg, self.adapter.num_layers,
-                                           self.sampler.steps_per_epoch)
+        # With the pipeline pinned (pipeline.elastic=false) the Ray run freezes at most L - K0.
+        layers, workers = self.adapter.num_layers, cfg.pipeline.num_workers
+        pinned = None if cfg.pipeline.elastic else start_pipeline_length(cfg, layers, workers)
+        self.policy = policy or policy_for(cfg, layers, self.sampler.steps_per_epoch,
+                                           pinned_length=pinned)
         self.optimizer = build_optimizer(
             cfg.optimizer,
             layer_param_groups(iter_layers(self.adapter), cfg.optimizer.weight_decay),
