@@ -1,4 +1,5 @@
-"""Side-by-side speed benchmark: the no-freeze baseline against pt-ray (freezing on).
+"""Side-by-side speed benchmark: the no-freeze baseline against pt-ray, without and with the
+activation cache, and (``--ablation``) the paper's ablation arms.
 
 Both arms run the same job (same engine, data, seed and epochs) inside one local Ray cluster
 started here, so cluster start-up is paid once and excluded from both. Arms alternate across
@@ -7,17 +8,23 @@ spread machine noise over both. The figures are ratios (DESIGN.md, "Measuring");
 times on a shared 2-core machine are not.
 
 Arms:
-  baseline  the config with ``freeze.policy=none`` (K stays at its initial value, 2 on the
-            CPU testbed, R = 1, for the whole run)
-  pt-ray    the config as given (AutoFreeze on: K = 2 -> 1, R = 1 -> 2 as blocks freeze)
-  dp        optional (``--dp-arm``): ``freeze.policy=none`` with ``pipeline.pipeline_length=1``
-            (K = 1, R = N for the whole run): separates what leaving the pipeline buys from
-            what freezing buys.
+  baseline     the config with ``freeze.policy=none`` (K stays at its initial value, 2 on the
+               CPU testbed, R = 1, for the whole run)
+  freeze-only  optional (``--ablation``): freezing on, ``pipeline.elastic=false`` and the cache
+               off: K and R stay (the frozen prefix moves onto stage 0, at most L - K blocks
+               freeze)
+  pt-ray       the config as given (AutoFreeze on: K = 2 -> 1, R = 1 -> 2 as blocks freeze;
+               the default config keeps the cache off: freeze + AutoPipe + AutoDP)
+  cache        the config with ``cache.mode=on``: all four mechanisms
+  dp           optional (``--dp-arm``): ``freeze.policy=none`` with
+               ``pipeline.pipeline_length=1`` (K = 1, R = N for the whole run): separates what
+               leaving the pipeline buys from what freezing buys.
 
 Writes ``<out>/compare.json`` and ``<out>/compare.png`` and prints a table. Usage:
 
     python bench/compare.py [--config FILE] [--set k=v ...] [--epochs N] [--repeats R]
-                            [--out bench/out] [--dp-arm] [--order abba|abab]
+                            [--out bench/out] [--ablation] [--no-cache-arm] [--dp-arm]
+                            [--order abba|abab]
     python bench/compare.py --resummarise bench/out/compare.json --out bench/out
 """
 
@@ -47,9 +54,12 @@ from pt_ray.api import default_config_path, fit, resolve_config  # noqa: E402
 
 ARM_OVERRIDES: dict[str, list[str]] = {
     "baseline": ["freeze.policy=none"],
+    "freeze-only": ["pipeline.elastic=false", "cache.mode=off"],
     "pt-ray": [],
+    "cache": ["cache.mode=on"],
     "dp": ["freeze.policy=none", "pipeline.pipeline_length=1"],
 }
+"""What each arm adds to the config (and ``--set``); the arms run in this order."""
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -187,7 +197,7 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
         "restarts": result.restarts,
         "load_after": os.getloadavg()[0],
     }
-    if arm == "pt-ray":
+    if arm not in ("baseline", "dp"):
         rec.update(bound_for(timeline))
     if not keep_checkpoints:
         shutil.rmtree(run_dir / "ray", ignore_errors=True)  # Ray Train storage made by this run
@@ -230,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", choices=["abba", "abab"], default="abba",
                         help="arm order across repeats: abba reverses it on odd repeats "
                              "(baseline, pt-ray, pt-ray, baseline, ...); abab keeps it")
+    parser.add_argument("--ablation", action="store_true",
+                        help="also run freeze only (pipeline.elastic=false, no cache): with the "
+                             "cache arm this is the paper's ablation table")
+    parser.add_argument("--no-cache-arm", action="store_true",
+                        help="skip the cache arm (cache.mode=on)")
     parser.add_argument("--dp-arm", action="store_true",
-                        help="also run no-freeze K=1 (pure data parallel) as a third arm")
+                        help="also run no-freeze K=1 (pure data parallel)")
     parser.add_argument("--object-store-mb", type=int, default=512,
                         help="object store of the benchmark's Ray cluster, MiB (default: 512)")
     parser.add_argument("--label", default=None,
@@ -259,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         resolve_config(config, [*overrides, *ARM_OVERRIDES[arm]])
     args.out.mkdir(parents=True, exist_ok=True)
 
-    arms = ["baseline", "pt-ray"] + (["dp"] if args.dp_arm else [])
+    wanted = {"baseline", "pt-ray", "freeze-only" if args.ablation else "",
+              "" if args.no_cache_arm else "cache", "dp" if args.dp_arm else ""}
+    arms = [a for a in ARM_OVERRIDES if a in wanted]
     started = False
     if cfg.engine == "ray":
         need = cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker
@@ -294,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "order": args.order,
         "arms": arms,
         "arm_overrides": {a: ARM_OVERRIDES[a] for a in arms},
+        "cache_mode": cfg.cache.mode,
         "metric_name": runs["pt-ray"][0]["metric_name"],
         "source": source_info(args.label),
         # Ray Train's controller collects one report per poll (default every 2 s; each rank's

@@ -10,12 +10,26 @@ from typing import Any
 
 from pt_ray.summary import ideal_speedup
 
-__all__ = ["AIM_ACCURACY_POINTS", "AIM_FRACTION", "bound_for", "summarise", "write_report"]
+__all__ = ["AIM_ACCURACY_POINTS", "AIM_FRACTION", "AIM_PREFIX_COST", "ablation", "bound_for",
+           "summarise", "write_report"]
 
 AIM_FRACTION = 0.80
 """The issue's aim: measured speedup at least this fraction of the ideal bound."""
 AIM_ACCURACY_POINTS = 1.0
 """The issue's aim: final accuracy within this many points of the baseline."""
+AIM_PREFIX_COST = 0.10
+"""The cache issue's aim: once the cache serves it, the frozen prefix costs at most this
+fraction per sample of what it costs without the cache."""
+STEADY_HIT_RATE = 0.99
+"""An epoch counts as the cache's steady state from this hit rate (nothing left to compute)."""
+
+ARM_LABELS = {
+    "baseline": "no freeze (baseline)",
+    "freeze-only": "freeze only",
+    "pt-ray": "freeze + AutoPipe + AutoDP",
+    "cache": "freeze + AutoPipe + AutoDP + AutoCache",
+    "dp": "no freeze, K=1 (data parallel)",
+}
 
 
 # -- the ideal bound ---------------------------------------------------------------------------
@@ -103,7 +117,56 @@ def _best_epochs(recs: list[dict]) -> float:
                    for r in recs) for e in range(len(recs[0]["timeline"])))
 
 
-def summarise(runs: dict[str, list[dict]]) -> dict[str, Any]:
+def prefix_cost(recs: list[dict]) -> dict[str, Any]:
+    """What the frozen prefix cost per sample with the cache, over its uncached cost, in each
+    epoch the cache served (``cache_cost_ratio``); the steady state is the epochs with a hit
+    rate of at least :data:`STEADY_HIT_RATE` (no misses, no advance to a new depth)."""
+    per_epoch = [
+        {"epoch": e, "num_frozen": r["num_frozen"], "hit_rate": r["cache_hit_rate"],
+         "ratio": _med([x["timeline"][e].get("cache_cost_ratio", 0.0) for x in recs])}
+        for e, r in enumerate(recs[0]["timeline"]) if r.get("cache_hit_rate", 0.0) > 0
+    ]
+    steady = [p["ratio"] for p in per_epoch if p["hit_rate"] >= STEADY_HIT_RATE and p["ratio"]]
+    return {
+        "per_epoch": per_epoch,
+        "steady_epochs": len(steady),
+        "steady_median": _med(steady) if steady else None,
+        "steady_max": max(steady) if steady else None,
+        "meets_aim": bool(steady) and max(steady) <= AIM_PREFIX_COST,
+    }
+
+
+def ablation(runs: dict[str, list[dict]], cache_mode: str = "off") -> list[dict[str, Any]]:
+    """The paper's ablation table: every arm's speedup over the baseline (median of the ratios
+    of runs made back to back), wall-time ratio, final accuracy and ideal bound."""
+    base = runs["baseline"]
+    rows = []
+    for arm, recs in runs.items():
+        label = ARM_LABELS[arm]
+        if arm == "pt-ray" and cache_mode != "off":
+            label = f"pt-ray as configured (cache.mode={cache_mode})"
+        ratios = [b["train_time_s"] / r["train_time_s"] for b, r in zip(base, recs)]
+        row = {
+            "arm": arm,
+            "label": label,
+            "train_time_s": _med([r["train_time_s"] for r in recs]),
+            "speedup": _med(ratios),
+            "speedup_per_repeat": ratios,
+            "wall_time_ratio": _med([b["wall_time_s"] / r["wall_time_s"]
+                                     for b, r in zip(base, recs)]),
+            "accuracy": _med([r["final_accuracy"] for r in recs]),
+            "max_frozen": max(e["num_frozen"] for e in recs[0]["timeline"]),
+            "ideal_bound": _med([r["ideal_bound"] for r in recs]) if "ideal_bound" in recs[0]
+            else 1.0,
+        }
+        row["accuracy_diff_points"] = 100.0 * (row["accuracy"]
+                                               - _med([b["final_accuracy"] for b in base]))
+        row["fraction_of_bound"] = row["speedup"] / row["ideal_bound"]
+        rows.append(row)
+    return rows
+
+
+def summarise(runs: dict[str, list[dict]], cache_mode: str = "off") -> dict[str, Any]:
     """The headline figures: speedup (median of paired training-time ratios), wall-time ratio,
     ideal bound, fraction of the bound, accuracy difference in points."""
     base, pt = runs["baseline"], runs["pt-ray"]
@@ -162,6 +225,9 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, Any]:
             [b["train_time_s"] / d["train_time_s"] for b, d in zip(base, dp)])
         s["speedup_vs_dp"] = _med([d["train_time_s"] / p["train_time_s"] for d, p in zip(dp, pt)])
         s["fraction_of_bound_vs_dp"] = s["speedup_vs_dp"] / bounds["ideal_bound"]
+    s["ablation"] = ablation(runs, cache_mode)
+    if "cache" in runs:
+        s["prefix_cost"] = prefix_cost(runs["cache"])
     s["meets_fraction_aim"] = s["fraction_of_bound"] >= AIM_FRACTION
     s["meets_accuracy_aim"] = abs(s["accuracy_diff_points"]) <= AIM_ACCURACY_POINTS
     notes = []
@@ -194,10 +260,12 @@ def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows, s = data["per_epoch"], data["summary"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=[3, 1.3])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8), width_ratios=[3, 1.8])
     epochs = [r["epoch"] + 1 for r in rows]
     styles = {"baseline": ("tab:gray", "baseline (no freeze, K=2, R=1)"),
+              "freeze-only": ("tab:olive", "freeze only (K, R pinned)"),
               "pt-ray": ("tab:blue", "pt-ray (freezing)"),
+              "cache": ("tab:purple", "pt-ray + cache"),
               "dp": ("tab:green", "dp (no freeze, K=1)")}
     for arm in data["arms"]:
         colour, label = styles[arm]
@@ -220,13 +288,16 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_title("per-epoch training time; pt-ray's plan (frozen n, K, R, M) marked")
     ax.legend(loc="lower left", fontsize=8)
 
-    names = ["measured\n(train)", "measured\n(wall)", "ideal\nbound"]
-    values = [s["speedup"], s["wall_time_ratio"], s["ideal_bound"]]
-    colours = ["tab:blue", "tab:cyan", "tab:orange"]
+    short = {"freeze-only": "freeze\nonly", "pt-ray": "pt-ray\n(train)",
+             "cache": "+ cache\n(train)", "dp": "dp\n(train)"}
+    arms = [r for r in s["ablation"] if r["arm"] != "baseline"]
+    names = [short[r["arm"]] for r in arms] + ["pt-ray\n(wall)", "ideal\nbound"]
+    values = [r["speedup"] for r in arms] + [s["wall_time_ratio"], s["ideal_bound"]]
+    colours = [styles[r["arm"]][0] for r in arms] + ["tab:cyan", "tab:orange"]
     if "speedup_vs_dp" in s:
-        names.insert(1, "pt-ray over\ndp (train)")
-        values.insert(1, s["speedup_vs_dp"])
-        colours.insert(1, "tab:green")
+        names.insert(len(arms), "pt-ray over\ndp (train)")
+        values.insert(len(arms), s["speedup_vs_dp"])
+        colours.insert(len(arms), "tab:green")
     bars = bx.bar(names, values, color=colours)
     for b, v in zip(bars, values):
         bx.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}x", ha="center", va="bottom",
@@ -257,7 +328,7 @@ def table(data: dict[str, Any]) -> str:
         f"epochs {data['epochs']}, repeats {data['repeats']}, engine {data['engine']}, "
         f"N {data['num_workers']}; baseline (K, R, M) {s['baseline_plan']}",
         "",
-        f"{'arm':<10}{'train s':>9}{'eval s':>8}{'start s':>9}{'between s':>11}{'wall s':>9}"
+        f"{'arm':<12}{'train s':>9}{'eval s':>8}{'start s':>9}{'between s':>11}{'wall s':>9}"
         f"{acc:>10}",
     ]
     for arm in data["arms"]:
@@ -268,7 +339,7 @@ def table(data: dict[str, Any]) -> str:
             return f"{_med([x[key] for x in split]):.1f}" if split else "?"
 
         lines.append(
-            f"{arm:<10}{_med([r['train_time_s'] for r in recs]):>9.1f}"
+            f"{arm:<12}{_med([r['train_time_s'] for r in recs]):>9.1f}"
             f"{_med([r['eval_time_sum_s'] for r in recs]):>8.1f}"
             f"{part('startup_s'):>9}{part('between_epochs_s'):>11}"
             f"{_med([r['wall_time_s'] for r in recs]):>9.1f}"
@@ -304,6 +375,25 @@ def table(data: dict[str, Any]) -> str:
             f"pt-ray over dp                           {s['speedup_vs_dp']:.2f}x"
             f"   ({s['fraction_of_bound_vs_dp']:.0%} of bound)",
         ]
+    lines += ["", "ablation (speedup in training time over the baseline, side by side):",
+              f"{'':<42}{'speedup':>8}{'wall':>7}{'bound':>7}{'of bound':>9}{acc:>10}"
+              f"{'frozen':>8}"]
+    for r in s["ablation"]:
+        lines.append(f"{r['label']:<42}{r['speedup']:>7.2f}x{r['wall_time_ratio']:>6.2f}x"
+                     f"{r['ideal_bound']:>6.2f}x{r['fraction_of_bound']:>9.0%}"
+                     f"{r['accuracy']:>10.4f}{r['max_frozen']:>8}")
+    if "prefix_cost" in s:
+        pc = s["prefix_cost"]
+        per = ", ".join(f"e{p['epoch']} {p['ratio']:.0%} ({p['hit_rate']:.0%} hits)"
+                        for p in pc["per_epoch"])
+        lines.append(
+            "frozen prefix per sample with the cache, over without: "
+            + (f"steady state median {pc['steady_median']:.1%}, max {pc['steady_max']:.1%} "
+               f"over {pc['steady_epochs']} epochs (aim at most {AIM_PREFIX_COST:.0%}: "
+               f"{'met' if pc['meets_aim'] else 'not met'})" if pc["steady_epochs"]
+               else "no steady-state epoch (the cache never served a whole epoch)"))
+        if per:
+            lines.append(f"  per epoch: {per}")
     lines += ["", "by pt-ray plan (summed epoch times, s):",
               f"{'n':>3}{'K':>3}{'R':>3}{'M':>4}{'epochs':>8}{'baseline':>10}{'pt-ray':>9}"
               + (f"{'dp':>8}" if "dp" in data["arms"] else "")
@@ -326,7 +416,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
     runs = data["runs"]
     data["per_epoch"] = per_epoch(runs)
     data["by_plan"] = by_plan(runs, data["per_epoch"])
-    data["summary"] = summarise(runs)
+    data["summary"] = summarise(runs, data.get("cache_mode", "off"))
     data = {k: v for k, v in data.items() if k != "runs"} | {"runs": runs}  # runs last
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(data, indent=2))

@@ -39,6 +39,9 @@ class EpochRecord:
             the frozen prefix (per replica, net of the time spent reading the cache).
         cache_bytes: bytes the cache held at the end of the epoch.
         cache_objects: objects the cache held at the end of the epoch.
+        cache_cost_ratio: what the frozen prefix cost per sample with the cache (reads, layers
+            run for misses and advances, writes) over its measured forward per sample without
+            it; 0 when the cache served nothing.
     """
 
     epoch: int
@@ -57,6 +60,7 @@ class EpochRecord:
     cache_saved_s: float = 0.0
     cache_bytes: int = 0
     cache_objects: int = 0
+    cache_cost_ratio: float = 0.0
 
 
 def format_epoch(rec: EpochRecord, epochs: int, metric_name: str) -> str:
@@ -71,6 +75,8 @@ def format_epoch(rec: EpochRecord, epochs: int, metric_name: str) -> str:
     if rec.cache_objects or rec.cache_hit_rate:
         line += (f"  cache {rec.cache_hit_rate:.0%} hits, {rec.cache_bytes / 2**20:.1f} MiB in "
                  f"{rec.cache_objects} objects, saved {rec.cache_saved_s:.2f} s")
+        if rec.cache_cost_ratio:
+            line += f", prefix at {rec.cache_cost_ratio:.0%} of its uncached cost"
     return line
 
 

@@ -41,6 +41,7 @@ SCALAR_TAGS: dict[str, str] = {
     "cache/hit_rate": "cache_hit_rate",
     "cache/saved_s": "cache_saved_s",
     "cache/bytes": "cache_bytes",
+    "cache/cost_ratio": "cache_cost_ratio",
     "time/epoch_s": "epoch_time_s",
     "time/transition_s": "transition_time_s",
     "time/eval_s": "eval_time_s",

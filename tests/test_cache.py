@@ -316,3 +316,21 @@ def test_full_store_and_evicted_entries_are_misses_with_the_right_rows(model):
     state, loaded = run(prefix, splits, 2, idx)
     assert sorted(loaded) == sorted(i for i in idx.tolist() if blocks.block_of[i] == evicted)
     assert all(torch.equal(a, b) for a, b in zip(state, want))
+
+
+def test_prefix_cost_accounting_splits_reads_compute_and_writes(model):
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)
+    prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"))
+    idx = training_sampler(c, len(splits.train), True).epoch_order(0)[:16]
+    run(prefix, splits, 2, idx)                            # misses: compute + writes
+    prefix.store.flush()
+    miss = prefix.reset()
+    assert miss.compute_s > 0 and miss.write_s > 0
+    assert miss.cost_s == pytest.approx(miss.io_s + miss.compute_s + miss.write_s)
+    # Without the cache the prefix would have cost its measured forward for every row.
+    assert miss.uncached_s == pytest.approx(miss.compute_s, rel=1e-9)
+    run(prefix, splits, 2, idx)                            # hits: reads only
+    hit = prefix.reset()
+    assert hit.compute_s == 0 and hit.write_s == 0 and hit.cost_s == hit.io_s > 0
+    assert hit.uncached_s == pytest.approx(miss.uncached_s)

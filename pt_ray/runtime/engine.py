@@ -303,6 +303,7 @@ class ElasticWorker:
             cache_saved_s=float(cache[2] / cache[3]) if cache[3] else 0.0,
             cache_bytes=int(totals[1]),
             cache_objects=int(totals[2]),
+            cache_cost_ratio=float(cache[4] / cache[5]) if cache[5] else 0.0,
         )
         if not by_steps:
             # Interval `epoch` ends here; its norms feed the next epoch's decision.

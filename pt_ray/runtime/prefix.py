@@ -47,6 +47,9 @@ class CacheCounters:
         write_s: seconds spent handing rows to the store (the store writes behind).
         saved_s: estimated seconds of prefix forward the cache saved, net of ``io_s`` and
             ``write_s``.
+        compute_s: seconds spent running frozen layers (misses, and advancing older depths).
+        uncached_s: estimated seconds the prefix forward would have taken for these rows
+            without the cache (its measured forward time per sample at the current depth).
     """
 
     rows: int = 0
@@ -56,6 +59,13 @@ class CacheCounters:
     io_s: float = 0.0
     write_s: float = 0.0
     saved_s: float = 0.0
+    compute_s: float = 0.0
+    uncached_s: float = 0.0
+
+    @property
+    def cost_s(self) -> float:
+        """Seconds the prefix cost with the cache: reads, layers run, and writes handed off."""
+        return self.io_s + self.compute_s + self.write_s
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, f.name)) for f in fields(self)]
@@ -149,6 +159,7 @@ class CachedPrefix:
         c.misses += len(miss)
         c.io_s += io_s
         c.saved_s += sum(self._prefix_row_s(lv) for lv in level[level > 0].tolist()) - io_s
+        c.uncached_s += len(indices) * self._prefix_row_s(n)
         return _assemble(parts, len(indices))
 
     # -- pieces ----------------------------------------------------------------------------
@@ -175,9 +186,11 @@ class CachedPrefix:
             state = module(*state)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            spent = time.perf_counter() - t
             seconds_rows = self._measured.setdefault(i, [0.0, 0])
-            seconds_rows[0] += time.perf_counter() - t
+            seconds_rows[0] += spent
             seconds_rows[1] += rows
+            self.counters.compute_s += spent
         return state
 
     def _prefix_row_s(self, level: int) -> float:
@@ -207,17 +220,17 @@ class CachedPrefix:
 def epoch_counters(prefix: CachedPrefix | None) -> torch.Tensor:
     """At the end of an epoch, once this rank's writes have landed: its share of the epoch's
     cache figures, to be summed over ranks: ``[rows, rows served from the cache (hit or
-    advanced), saved_s, 1 if it read the cache]`` (zeros without a cache).
+    advanced), saved_s, 1 if it read the cache, cost_s, uncached_s]`` (zeros without a cache).
 
     Args:
         prefix: this rank's cached prefix (None: no cache in this run).
     """
     if prefix is None:
-        return torch.zeros(4, dtype=torch.float64)
+        return torch.zeros(6, dtype=torch.float64)
     prefix.store.drain()
     c = prefix.reset()
-    return torch.tensor([c.rows, c.hits + c.advanced, c.saved_s, float(c.rows > 0)],
-                        dtype=torch.float64)
+    return torch.tensor([c.rows, c.hits + c.advanced, c.saved_s, float(c.rows > 0), c.cost_s,
+                         c.uncached_s], dtype=torch.float64)
 
 
 def store_figures(prefix: CachedPrefix | None, rank: int) -> list[float]:
