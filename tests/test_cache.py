@@ -334,3 +334,36 @@ def test_prefix_cost_accounting_splits_reads_compute_and_writes(model):
     hit = prefix.reset()
     assert hit.compute_s == 0 and hit.write_s == 0 and hit.cost_s == hit.io_s > 0
     assert hit.uncached_s == pytest.approx(miss.uncached_s)
+
+
+class CountingStore(InMemoryStore):
+    """An in-memory store that records which blocks each read asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[list[int]] = []
+
+    def read(self, blocks, level):
+        self.asked.append(list(blocks))
+        return super().read(blocks, level)
+
+
+def test_complete_blocks_are_read_from_the_store_once_per_depth(model):
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)
+    store = CountingStore()
+    prefix = CachedPrefix(adapter, store, blocks, torch.device("cpu"))
+    whole = np.concatenate([blocks.members[0], blocks.members[1]])   # two complete blocks
+    run(prefix, splits, 2, whole)
+    store.flush()
+    for _ in range(3):
+        state, loaded = run(prefix, splits, 2, whole[::-1].copy())
+        assert loaded == []
+    assert store.asked == [[0, 1], [0, 1]]       # the misses' read, then one read for both
+    want = plain_prefix(adapter, splits.train.batch(whole[::-1].tolist()).inputs, 2)
+    assert all(torch.equal(a, b) for a, b in zip(state, want))
+    # A new depth asks the store again (and advances the rows); so does a partial block.
+    run(prefix, splits, 3, whole)
+    assert store.asked[-1] == [0, 1]
+    prefix.invalidate_above(2)
+    assert prefix._memo == {} and store.index.lookup([0, 1], 3) == []

@@ -427,7 +427,7 @@ class ElasticWorker:
             # Entries deeper than the checkpoint's prefix came from training this resume
             # replays, perhaps to a different decision; writes still in flight too. Every rank
             # drops them (idempotent on a shared store), then all write under the last lineage.
-            self.prefix.store.invalidate_above(plan.num_frozen)
+            self.prefix.invalidate_above(plan.num_frozen)
             dist.barrier()
             self.prefix.store.attach()
         self.apply_plan(plan, restored=states)

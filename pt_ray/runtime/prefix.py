@@ -96,6 +96,11 @@ class CachedPrefix:
         self.blocks = blocks
         self.device = device
         self.counters = CacheCounters()
+        # Complete blocks at the current depth already read: their rows never change (frozen
+        # layers, deterministic inputs), so they are served from here without asking the store
+        # again (from Ray these are zero-copy views on the object store; dropped at a new depth).
+        self._memo: dict[int, Segment] = {}
+        self._memo_level: int | None = None
         self.total = CacheCounters()
         """Everything since the start (:meth:`reset` adds the epoch's counters here)."""
         # Forward seconds per sample of the embedding (0) and of block i (i + 1): profiled,
@@ -134,7 +139,7 @@ class CachedPrefix:
         n = num_frozen
         indices = np.asarray(indices, dtype=np.int64)
         t0 = time.perf_counter()
-        segments = self.store.read(np.unique(self.blocks.block_of[indices]).tolist(), n)
+        segments = self._read(np.unique(self.blocks.block_of[indices]).tolist(), n)
         seg, pos, level = _locate(indices, segments)
         cached: dict[int, tuple[np.ndarray, State]] = {}
         for lv in sorted(set(level.tolist()) - {0}, reverse=True):
@@ -162,7 +167,26 @@ class CachedPrefix:
         c.uncached_s += len(indices) * self._prefix_row_s(n)
         return _assemble(parts, len(indices))
 
+    def invalidate_above(self, level: int) -> None:
+        """Forget everything deeper than ``level``, here and in the store."""
+        if self._memo_level is not None and self._memo_level > level:
+            self._memo, self._memo_level = {}, None
+        self.store.invalidate_above(level)
+
     # -- pieces ----------------------------------------------------------------------------
+
+    def _read(self, blocks: list[int], n: int) -> list[Segment]:
+        """Segments of ``blocks`` at depth ``n`` or shallower: complete blocks at ``n`` from the
+        memo, the rest from the store (memoising those that come back complete at ``n``)."""
+        if self._memo_level != n:
+            self._memo, self._memo_level = {}, n
+        known = [self._memo[b] for b in blocks if b in self._memo]
+        need = [b for b in blocks if b not in self._memo]
+        fetched = self.store.read(need, n) if need else []
+        for segment in fetched:
+            if segment.level == n and len(segment.ids) == self.blocks.size(segment.block):
+                self._memo[segment.block] = segment
+        return known + fetched
 
     def _gather(self, segments: list[Segment], seg: np.ndarray, pos: np.ndarray) -> State:
         """Rows ``pos[i]`` of segments ``seg[i]``, as tensors on this device (copies, so no
