@@ -66,6 +66,21 @@ def test_rows_written_by_one_process_are_read_by_another_after_it_died(ray_clust
     ray.kill(actor)
 
 
+def test_reads_see_the_index_of_their_epoch_and_writes_go_in_batches(ray_cluster):
+    name, actor = new_cache()
+    store = RayStore(name, batch_bytes=10**6)
+    store.write(0, 2, 1, *rows([0, 1], 1), ["float32"])
+    assert ray.get(actor.stats.remote()).objects == 0      # still waiting in the batch
+    store.drain()                                          # sent, landed; a new epoch
+    assert [s.block for s in store.read([0, 1], 1)] == [0]
+    store.write(1, 2, 1, *rows([2, 3], 1), ["float32"])
+    assert store.stats().objects == 2                      # landed, but this epoch's
+    assert [s.block for s in store.read([0, 1], 1)] == [0]   # snapshot does not show it
+    store.drain()
+    assert [s.block for s in store.read([0, 1], 1)] == [0, 1]
+    ray.kill(actor)
+
+
 def test_budget_refuses_rows_which_then_read_as_misses(ray_cluster):
     name, actor = new_cache(budget_bytes=100)
     store = RayStore(name)
@@ -126,6 +141,7 @@ def test_lost_objects_and_a_dead_cache_read_as_misses(ray_cluster):
     store.actor = actor
     ray.kill(actor)
     wait_until_dead(actor)  # ray.kill is asynchronous: a read could still reach it
+    store.drain()  # a new epoch: the snapshot of the old index goes
     assert store.read([0], 1) == []
     store.write(1, 2, 1, *rows([2, 3], 1), ["float32"])
     store.flush()
@@ -158,14 +174,16 @@ def test_cached_prefix_over_a_dead_cache_still_gives_the_prefix(ray_cluster):
     idx = np.arange(16)
     load = lambda r: splits.train.batch(idx[r].tolist()).inputs  # noqa: E731
     first = prefix(2, idx, load)
-    prefix.store.flush()
+    prefix.store.drain()  # the end of an epoch, as the engine does it: writes land, then
+    prefix.store.flush()  # incomplete blocks are stored
     again = prefix(2, idx, load)
     assert prefix.counters.hits == 16 and torch.equal(first[0], again[0])
     ray.kill(actor)
     wait_until_dead(actor)  # ray.kill is asynchronous: a lookup could still reach it
     # Blocks this process already read stay served from its memo; a fresh one (a restarted
-    # worker) finds nothing and recomputes everything.
+    # worker), in a new epoch, finds nothing and recomputes everything.
     assert torch.equal(first[0], prefix(2, idx, load)[0])
+    prefix.store.drain()
     fresh = CachedPrefix(adapter, prefix.store, CacheBlocks(32, 8, 0), torch.device("cpu"))
     after = fresh(2, idx, load)
     assert fresh.counters.misses == 16 and torch.equal(first[0], after[0])

@@ -117,8 +117,9 @@ class ActivationStore(Protocol):
     the backing store is gone: reads then return nothing and writes are dropped."""
 
     def read(self, blocks: Sequence[int], level: int) -> list[Segment]:
-        """Every cached segment of ``blocks`` at depth ``level`` or shallower, deepest first
-        (one lookup per step). Lost objects are left out."""
+        """Every cached segment of ``blocks`` at depth ``level`` or shallower, deepest first.
+        Lost objects are left out. Rows written since the last :meth:`drain` may be missing (an
+        epoch reads each sample once, so a store may answer from a snapshot per epoch)."""
         ...
 
     def write(self, block: int, block_size: int, level: int, ids: np.ndarray,
@@ -128,7 +129,8 @@ class ActivationStore(Protocol):
         ...
 
     def drain(self) -> None:
-        """Wait until this process's writes have reached the store (end of an epoch)."""
+        """Wait until this process's writes have reached the store, and make them readable
+        (end of an epoch)."""
         ...
 
     def flush(self) -> None:
