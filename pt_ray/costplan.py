@@ -116,8 +116,11 @@ class CostModelPlanner:
                 # The configured start must fit: with its leanest M at least.
                 k = initial_pipeline_length
                 part = self._partition(0, k, False)
+                ms = self._microbatch_candidates(k, num_workers // k)
+                if not ms:
+                    raise self._no_microbatches(k)
                 leanest = min(max(self.stage_memory(self._layout(0, k, m, False, part)))
-                              for m in self._microbatch_candidates(k, num_workers // k))
+                              for m in ms)
                 self.memory_budget = max(self.memory_budget, leanest)
 
     # -- predictions ---------------------------------------------------------------------------
@@ -185,7 +188,9 @@ class CostModelPlanner:
         if self.forced_microbatches is not None:
             return [self.forced_microbatches]
         b = self.replica_batch(num_replicas)
-        return [d for d in divisors(b) if d <= self.max_microbatches_per_stage * k]
+        # 1F1B needs a micro-batch per stage in flight (torch rejects M < K).
+        least = k if self.schedule == "1f1b" else 1
+        return [d for d in divisors(b) if least <= d <= self.max_microbatches_per_stage * k]
 
     def _layout(self, num_frozen: int, k: int, m: int, cache: bool, part: Partition) -> Plan:
         return Plan(
@@ -235,7 +240,16 @@ class CostModelPlanner:
                     best, best_rate = plan, rate
         if best is None:  # nothing fits: keep the longest pipeline, as the paper's rule does
             best = self._best(num_frozen, ks[-1], caches[-1], check_memory=False)
+        if best is None:
+            raise self._no_microbatches(ks[-1])
         return best
+
+    def _no_microbatches(self, k: int) -> ValueError:
+        b = self.replica_batch(self.num_workers // k)
+        return ValueError(
+            f"a replica batch of {b} cannot fill {k} pipeline stages under {self.schedule} (1f1b "
+            f"needs at least {k} micro-batches); raise data.batch_size, lower "
+            "pipeline.pipeline_length, or use pipeline.schedule=gpipe")
 
     # -- the Planner interface -----------------------------------------------------------------
 
@@ -252,7 +266,10 @@ class CostModelPlanner:
     def initial_plan(self) -> Plan:
         """Generation 0: nothing frozen, the initial pipeline length, the fastest M."""
         k = self.initial_pipeline_length
-        return self._best(0, k, False) or self._best(0, k, False, check_memory=False)
+        plan = self._best(0, k, False) or self._best(0, k, False, check_memory=False)
+        if plan is None:
+            raise self._no_microbatches(k)
+        return plan
 
     def next_plan(self, prev: Plan, num_frozen: int) -> Plan:
         """The plan after the frozen prefix grows to ``num_frozen`` (``prev`` itself when

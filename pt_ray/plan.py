@@ -312,13 +312,23 @@ class Planner:
 
     def microbatches_for(self, k: int, num_replicas: int) -> int:
         """M for a pipeline of K stages: forced, or the largest divisor of the replica batch up
-        to 4K (bubble ``(K-1)/(M+K-1)`` at most about 20%); 1 without a pipeline."""
+        to 4K (bubble ``(K-1)/(M+K-1)`` at most about 20%); 1 without a pipeline. With 1F1B the
+        smallest divisor of at least K if none up to 4K is (torch rejects M < K)."""
         b = self.replica_batch(num_replicas)
         if k == 1:
             return 1
         if self.forced_microbatches is not None:
             return self.forced_microbatches
-        return max(d for d in divisors(b) if d <= 4 * k)
+        m = max(d for d in divisors(b) if d <= 4 * k)
+        if self.schedule == "1f1b" and m < k:
+            enough = [d for d in divisors(b) if d >= k]
+            if not enough:
+                raise ValueError(
+                    f"a replica batch of {b} cannot fill {k} pipeline stages under 1f1b (it "
+                    f"needs at least {k} micro-batches); raise data.batch_size, lower "
+                    "pipeline.pipeline_length, or use pipeline.schedule=gpipe")
+            m = enough[0]
+        return m
 
     # -- plans ---------------------------------------------------------------------------------
 

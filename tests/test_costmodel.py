@@ -321,3 +321,21 @@ def test_replan_and_bad_initial_length():
     assert again.generation == plan.generation + 1
     with pytest.raises(ValueError, match="choose one of"):
         vit_planner(initial_pipeline_length=3)
+
+
+def test_1f1b_plans_never_have_fewer_microbatches_than_stages():
+    hw = load_hardware("local-cpu")
+    costs = analytic_costs(model_shape("vit_tiny_patch16_224", num_layers=6), hw)
+    for schedule in ("1f1b", "gpipe"):
+        planner = CostModelPlanner(4, costs, hw, batch_size=16, schedule=schedule,
+                                   initial_pipeline_length=4, cache="on", memory_budget=1e12)
+        plan = planner.initial_plan()
+        for n in range(1, 6):
+            plan = planner.next_plan(plan, n)
+            if schedule == "1f1b" and plan.pipeline_length > 1:
+                assert plan.num_microbatches >= plan.pipeline_length
+    # A replica batch too small to fill the stages is refused with the fix named.
+    with pytest.raises(ValueError, match="cannot fill 4 pipeline stages.*schedule=gpipe"):
+        CostModelPlanner(4, costs, hw, batch_size=2, schedule="1f1b", initial_pipeline_length=4)
+    with pytest.raises(ValueError, match="cannot fill 4 pipeline stages"):
+        Planner(4, costs, batch_size=2, schedule="1f1b").initial_plan()
