@@ -204,10 +204,12 @@ def test_tiny_job_with_the_cache_hits_after_the_freeze_and_ends_on_the_reference
     cfg = job(tmp_path)
     run = run_on_ray(cfg, tmp_path / "run")
     layout = [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in run.timeline]
-    assert layout == [(0, 2, 1), (2, 2, 1), (3, 1, 2), (3, 1, 2)]
+    # K may already be 1 at 2 frozen blocks (see test_ray_engine's replan test).
+    assert layout[0] == (0, 2, 1) and layout[2:] == [(3, 1, 2)] * 2
+    assert layout[1] in ((2, 2, 1), (2, 1, 2))
     rates = [r.cache_hit_rate for r in run.timeline]
-    # Epoch 1 fills depth 2 (one replica), epoch 2 advances it to depth 3 (two replicas,
-    # each reading rows of blocks the other also reads), epoch 3 reads depth 3.
+    # Epoch 1 fills depth 2, epoch 2 advances it to depth 3 (two replicas, each reading rows
+    # of blocks the other also reads), epoch 3 reads depth 3.
     assert rates == [0.0, 0.0, 1.0, 1.0]
     assert run.timeline[3].cache_objects <= 128 // 16 and run.timeline[3].cache_bytes > 0
     assert run.cache["objects"] == 8 and run.cache["refused_rows"] == 0

@@ -73,3 +73,22 @@ def test_profile_leaves_gradients_and_modes_alone():
     profile_costs(adapter, batch, repeats=1)
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
     assert not any(m.training for m in adapter.model.modules())
+
+
+def test_blocks_of_one_structure_share_their_median_times():
+    from pt_ray.plan import LayerCost
+    from pt_ray.runtime.profile import _pool_alike
+
+    adapter = _vit()
+    costs = profile_costs(adapter, _batch(), repeats=2)
+    # Identical ViT blocks: one time for all of them.
+    assert len({(c.forward_s, c.backward_s) for c in costs.blocks}) == 1
+    # The medians of what each block measured; a block of another shape keeps its own.
+    measured = [LayerCost(0.1, 0.2, 8.0, 64.0), LayerCost(0.5, 0.4, 8.0, 64.0),
+                LayerCost(0.3, 0.9, 8.0, 64.0)]
+    pooled = _pool_alike(adapter, measured)
+    assert [(c.forward_s, c.backward_s) for c in pooled] == [(0.3, 0.4)] * 3
+    odd = [*measured[:2], LayerCost(0.3, 0.9, 16.0, 64.0)]
+    pooled = _pool_alike(adapter, odd)
+    got = [t for c in pooled for t in (c.forward_s, c.backward_s)]
+    assert got == pytest.approx([0.3, 0.3, 0.3, 0.3, 0.3, 0.9])

@@ -57,8 +57,11 @@ def test_two_workers_on_ray_train_match_reference_and_replan(ray_cluster, tmp_pa
     result = fit(tiny_config(tmp_path))
     layout = [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in result.timeline]
     # Blocks freeze 0 -> 2 -> 3; once one active block is left the pipeline shrinks K 2 -> 1 and
-    # the freed worker becomes a second replica (the memory budget keeps K 2 at 2 frozen).
-    assert layout == [(0, 2, 1), (2, 2, 1), (3, 1, 2)]
+    # the freed worker becomes a second replica. At 2 frozen the memory budget (the largest
+    # stage of the first partition, which balances profiled times) may or may not allow K 1:
+    # under load a noisy embedding or head time moves the first stage boundary.
+    assert layout[0] == (0, 2, 1) and layout[2] == (3, 1, 2)
+    assert layout[1] in ((2, 2, 1), (2, 1, 2))
     assert all(r.transition_time_s < 2.0 for r in result.timeline)
     assert result.checkpoint is not None and result.restarts == 0
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
@@ -76,8 +79,10 @@ def test_killed_worker_restarts_from_checkpoint_and_ends_identical(ray_cluster, 
     assert marker.exists(), "the fault was never injected"
     assert result.restarts == 1
     assert [r.epoch for r in result.timeline] == [0, 1, 2]
-    # The cache actor outlived the worker group: the replayed epoch 1 read the steps (of 8)
-    # the killed attempt had cached (0-2, and 3 if rank 0 got to it before rank 1 died), and
-    # the result is still the reference's.
-    assert 3 / 8 <= result.timeline[1].cache_hit_rate <= 4 / 8
+    # Rows the killed attempt still held in its write batch died with it, so the replayed
+    # epoch 1 recomputes them (tiny rows: nothing was sent before the fault); the cache actor
+    # outlived the worker group and the restarted one fills it, so epoch 2 reads every row;
+    # and the result is still the reference's.
+    assert result.timeline[1].cache_hit_rate <= 4 / 8
+    assert result.timeline[2].cache_hit_rate == 1.0
     assert max_difference(result.checkpoint, reference_params) <= 1e-4

@@ -4,7 +4,9 @@ AutoPipe balances stages on measured costs (the 2021 code used parameter counts)
 timed on its own, on the current device, with the real input it sees in the model: the embedding
 on the batch, block ``i`` on block ``i-1``'s output, the head (with the loss) on the last block's
 output. Backward is timed as one ``autograd.grad`` call for the layer's input and parameter
-gradients. The median of a few repetitions after a warm-up is kept.
+gradients. The median of a few repetitions after a warm-up is kept. Blocks of the same structure
+(class, parameter shapes and output size: every block of a ViT or a BERT) do the same work, so
+each takes the median over its group: noise on one block no longer moves a stage boundary.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def profile_costs(adapter: ModelAdapter, batch: Batch, repeats: int = 3) -> Cost
             lambda blk=block, x=inp: blk(*x), inp, params, device, repeats, _sum_first
         )
         blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block)))
+    blocks = _pool_alike(adapter, blocks)
     inp = _detach(state)
     params = [p for p in adapter.head.parameters() if p.requires_grad]
     f, b, out = _time_layer(
@@ -113,3 +116,18 @@ def profile_costs(adapter: ModelAdapter, batch: Batch, repeats: int = 3) -> Cost
     )
     head = LayerCost(f, b, _bytes(out) / n, _param_bytes(adapter.head))
     return CostTable(embed, tuple(blocks), head, samples=n)
+
+
+def _pool_alike(adapter: ModelAdapter, blocks: list[LayerCost]) -> list[LayerCost]:
+    """Each block's times replaced by the medians over the blocks of the same structure."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (block, cost) in enumerate(zip(adapter.blocks, blocks)):
+        shapes = tuple(tuple(p.shape) for p in block.parameters())
+        groups.setdefault((type(block).__name__, shapes, cost.activation_bytes), []).append(i)
+    out = list(blocks)
+    for members in groups.values():
+        fwd = statistics.median(blocks[i].forward_s for i in members)
+        bwd = statistics.median(blocks[i].backward_s for i in members)
+        for i in members:
+            out[i] = LayerCost(fwd, bwd, blocks[i].activation_bytes, blocks[i].param_bytes)
+    return out
