@@ -367,3 +367,25 @@ def test_complete_blocks_are_read_from_the_store_once_per_depth(model):
     assert store.asked[-1] == [0, 1]
     prefix.invalidate_above(2)
     assert prefix._memo == {} and store.index.lookup([0, 1], 3) == []
+
+
+def test_the_memo_keeps_at_most_its_bytes_dropping_the_least_recently_read(model):
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)
+    store = CountingStore()
+    warm = CachedPrefix(adapter, store, blocks, torch.device("cpu"))
+    three = np.concatenate(blocks.members[:3])
+    run(warm, splits, 2, three)                                # writes three blocks
+    store.flush()
+    one = store.read([0], 2)[0]
+    size = sum(a.nbytes for a in one.arrays) + one.ids.nbytes
+    prefix = CachedPrefix(adapter, store, blocks, torch.device("cpu"), memo_bytes=2 * size)
+    for b in (0, 1, 0, 2):                                     # block 1 is the least recent
+        run(prefix, splits, 2, blocks.members[b].copy())
+    assert list(prefix._memo) == [0, 2] and prefix._memo_held == 2 * size
+    store.asked.clear()
+    run(prefix, splits, 2, np.concatenate([blocks.members[1], blocks.members[2]]))
+    assert store.asked == [[1]]                                # block 2 from the memo
+    none = CachedPrefix(adapter, store, blocks, torch.device("cpu"), memo_bytes=0)
+    run(none, splits, 2, blocks.members[0].copy())
+    assert none._memo == {}

@@ -97,7 +97,8 @@ class ElasticWorker:
         if store is not None and cache_policy(cfg, deterministic).mode != "off":
             blocks = self.sampler.blocks or CacheBlocks(len(splits.train), cfg.cache.block_size,
                                                         cfg.seed)
-            self.prefix = CachedPrefix(adapter, store, blocks, self.device, costs)
+            self.prefix = CachedPrefix(adapter, store, blocks, self.device, costs,
+                                       memo_bytes=cfg.cache.worker_memo_bytes)
         self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
         self.plan: Plan | None = None
         self.topo: Topology | None = None

@@ -81,6 +81,8 @@ class CachedPrefix:
         device: where the prefix runs.
         costs: profiled per-layer costs, to estimate the time saved until this process has
             timed the prefix itself (None: no estimate until then).
+        memo_bytes: most bytes of complete blocks kept between reads (least recently read
+            dropped first; None: no limit).
     """
 
     def __init__(
@@ -90,8 +92,10 @@ class CachedPrefix:
         blocks: CacheBlocks,
         device: torch.device,
         costs: CostTable | None = None,
+        memo_bytes: int | None = None,
     ) -> None:
         self.adapter = adapter
+        self.memo_bytes = memo_bytes
         self.store = store
         self.blocks = blocks
         self.device = device
@@ -99,8 +103,9 @@ class CachedPrefix:
         # Complete blocks at the current depth already read: their rows never change (frozen
         # layers, deterministic inputs), so they are served from here without asking the store
         # again (from Ray these are zero-copy views on the object store; dropped at a new depth).
-        self._memo: dict[int, Segment] = {}
+        self._memo: dict[int, Segment] = {}  # in order of last read
         self._memo_level: int | None = None
+        self._memo_held = 0
         self.total = CacheCounters()
         """Everything since the start (:meth:`reset` adds the epoch's counters here)."""
         # Forward seconds per sample of the embedding (0) and of block i (i + 1): profiled,
@@ -170,7 +175,7 @@ class CachedPrefix:
     def invalidate_above(self, level: int) -> None:
         """Forget everything deeper than ``level``, here and in the store."""
         if self._memo_level is not None and self._memo_level > level:
-            self._memo, self._memo_level = {}, None
+            self._memo, self._memo_level, self._memo_held = {}, None, 0
         self.store.invalidate_above(level)
 
     # -- pieces ----------------------------------------------------------------------------
@@ -179,14 +184,27 @@ class CachedPrefix:
         """Segments of ``blocks`` at depth ``n`` or shallower: complete blocks at ``n`` from the
         memo, the rest from the store (memoising those that come back complete at ``n``)."""
         if self._memo_level != n:
-            self._memo, self._memo_level = {}, n
-        known = [self._memo[b] for b in blocks if b in self._memo]
+            self._memo, self._memo_level, self._memo_held = {}, n, 0
+        known = [self._memo.pop(b) for b in blocks if b in self._memo]
+        for segment in known:  # most recently read last
+            self._memo[segment.block] = segment
         need = [b for b in blocks if b not in self._memo]
         fetched = self.store.read(need, n) if need else []
         for segment in fetched:
             if segment.level == n and len(segment.ids) == self.blocks.size(segment.block):
-                self._memo[segment.block] = segment
+                self._remember(segment)
         return known + fetched
+
+    def _remember(self, segment: Segment) -> None:
+        size = sum(a.nbytes for a in segment.arrays) + segment.ids.nbytes
+        limit = self.memo_bytes
+        if limit is not None and size > limit:
+            return
+        self._memo[segment.block] = segment
+        self._memo_held += size
+        while limit is not None and self._memo_held > limit:
+            old = self._memo.pop(next(iter(self._memo)))
+            self._memo_held -= sum(a.nbytes for a in old.arrays) + old.ids.nbytes
 
     def _gather(self, segments: list[Segment], seg: np.ndarray, pos: np.ndarray) -> State:
         """Rows ``pos[i]`` of segments ``seg[i]``, as tensors on this device (copies, so no
