@@ -362,9 +362,15 @@ def test_complete_blocks_are_read_from_the_store_once_per_depth(model):
     assert store.asked == [[0, 1], [0, 1]]       # the misses' read, then one read for both
     want = plain_prefix(adapter, splits.train.batch(whole[::-1].tolist()).inputs, 2)
     assert all(torch.equal(a, b) for a, b in zip(state, want))
-    # A new depth asks the store again (and advances the rows); so does a partial block.
+    # A new depth asks the store again (and advances the rows); with the bytes per row known
+    # and the whole cache within the memo's limit, that one read asks for every block.
     run(prefix, splits, 3, whole)
-    assert store.asked[-1] == [0, 1]
+    assert store.asked[-1] == [0, 1, *range(2, blocks.num_blocks)]
+    store.flush()
+    capped = CachedPrefix(adapter, store, blocks, torch.device("cpu"), memo_bytes=1)
+    run(capped, splits, 3, whole)
+    run(capped, splits, 3, whole)
+    assert store.asked[-1] == [0, 1]  # no room: only what the step needs
     prefix.invalidate_above(2)
     assert prefix._memo == {} and store.index.lookup([0, 1], 3) == []
 

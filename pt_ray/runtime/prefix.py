@@ -106,6 +106,7 @@ class CachedPrefix:
         self._memo: dict[int, Segment] = {}  # in order of last read
         self._memo_level: int | None = None
         self._memo_held = 0
+        self._row_bytes = 0.0  # cached bytes per sample, once a read has returned a row
         self.total = CacheCounters()
         """Everything since the start (:meth:`reset` adds the epoch's counters here)."""
         # Forward seconds per sample of the embedding (0) and of block i (i + 1): profiled,
@@ -189,11 +190,26 @@ class CachedPrefix:
         for segment in known:  # most recently read last
             self._memo[segment.block] = segment
         need = [b for b in blocks if b not in self._memo]
-        fetched = self.store.read(need, n) if need else []
+        if not need:
+            return known
+        # When every block fits the memo, one read fetches them all (each is read once per
+        # epoch, so asking block by block would cost a read per step until the memo is warm).
+        ahead = []
+        whole = self._row_bytes * self.blocks.num_samples
+        if self._row_bytes and (self.memo_bytes is None or whole <= self.memo_bytes):
+            asked = set(need)
+            ahead = [b for b in range(self.blocks.num_blocks)
+                     if b not in self._memo and b not in asked]
+        fetched = self.store.read(need + ahead, n)
+        mine, wanted = [], set(need)
         for segment in fetched:
+            if segment.ids.size:
+                self._row_bytes = sum(a.nbytes for a in segment.arrays) / segment.ids.size
             if segment.level == n and len(segment.ids) == self.blocks.size(segment.block):
                 self._remember(segment)
-        return known + fetched
+            if segment.block in wanted:
+                mine.append(segment)
+        return known + mine
 
     def _remember(self, segment: Segment) -> None:
         size = sum(a.nbytes for a in segment.arrays) + segment.ids.nbytes
