@@ -367,6 +367,13 @@ def test_complete_blocks_are_read_from_the_store_once_per_depth(model):
     run(prefix, splits, 3, whole)
     assert store.asked[-1] == [0, 1, *range(2, blocks.num_blocks)]
     store.flush()
+    run(prefix, splits, 3, whole)              # the same epoch: only what the step needs
+    assert store.asked[-1] == [0, 1]
+    assert set(prefix._memo) == {0, 1}         # complete at depth 3 now
+    prefix.reset()                             # a new epoch asks for the rest once more
+    run(prefix, splits, 3, blocks.members[2].copy())
+    assert store.asked[-1] == [2, *range(3, blocks.num_blocks)]
+    store.flush()
     capped = CachedPrefix(adapter, store, blocks, torch.device("cpu"), memo_bytes=1)
     run(capped, splits, 3, whole)
     run(capped, splits, 3, whole)

@@ -107,6 +107,7 @@ class CachedPrefix:
         self._memo_level: int | None = None
         self._memo_held = 0
         self._row_bytes = 0.0  # cached bytes per sample, once a read has returned a row
+        self._ahead_level: int | None = None  # depth of this epoch's read of every block
         self.total = CacheCounters()
         """Everything since the start (:meth:`reset` adds the epoch's counters here)."""
         # Forward seconds per sample of the embedding (0) and of block i (i + 1): profiled,
@@ -125,6 +126,7 @@ class CachedPrefix:
     def reset(self) -> CacheCounters:
         """Return the counters and start new ones (adding them to :attr:`total`)."""
         out, self.counters = self.counters, CacheCounters()
+        self._ahead_level = None  # a new epoch may find blocks written in this one
         for f in fields(out):
             setattr(self.total, f.name, getattr(self.total, f.name) + getattr(out, f.name))
         return out
@@ -194,9 +196,13 @@ class CachedPrefix:
             return known
         # When every block fits the memo, one read fetches them all (each is read once per
         # epoch, so asking block by block would cost a read per step until the memo is warm).
+        # Once per epoch and depth: while blocks are still being written or advanced, asking
+        # for all of them at every step would fetch the older depths again and again.
         ahead = []
         whole = self._row_bytes * self.blocks.num_samples
-        if self._row_bytes and (self.memo_bytes is None or whole <= self.memo_bytes):
+        if self._row_bytes and self._ahead_level != n and (
+                self.memo_bytes is None or whole <= self.memo_bytes):
+            self._ahead_level = n
             asked = set(need)
             ahead = [b for b in range(self.blocks.num_blocks)
                      if b not in self._memo and b not in asked]
