@@ -100,10 +100,14 @@ class CachedPrefix:
         self.blocks = blocks
         self.device = device
         self.counters = CacheCounters()
-        # Complete blocks at the current depth already read: their rows never change (frozen
-        # layers, deterministic inputs), so they are served from here without asking the store
-        # again (from Ray these are zero-copy views on the object store; dropped at a new depth).
-        self._memo: dict[int, Segment] = {}  # in order of last read
+        # What this process read of each block at the current depth (deepest segment first),
+        # served from here without asking the store again: cached rows never change (frozen
+        # layers, deterministic inputs). From Ray these are zero-copy views on the object store.
+        # A block complete at the current depth stays until the depth changes; anything else
+        # (rows missing, or at an older depth) until the epoch ends, since rows written during
+        # an epoch are read in the next one.
+        self._memo: dict[int, tuple[Segment, ...]] = {}  # in order of last read
+        self._complete: set[int] = set()
         self._memo_level: int | None = None
         self._memo_held = 0
         self._row_bytes = 0.0  # cached bytes per sample, once a read has returned a row
@@ -127,6 +131,8 @@ class CachedPrefix:
         """Return the counters and start new ones (adding them to :attr:`total`)."""
         out, self.counters = self.counters, CacheCounters()
         self._ahead_level = None  # a new epoch may find blocks written in this one
+        for block in [b for b in self._memo if b not in self._complete]:
+            self._forget(block)
         for f in fields(out):
             setattr(self.total, f.name, getattr(self.total, f.name) + getattr(out, f.name))
         return out
@@ -178,55 +184,68 @@ class CachedPrefix:
     def invalidate_above(self, level: int) -> None:
         """Forget everything deeper than ``level``, here and in the store."""
         if self._memo_level is not None and self._memo_level > level:
-            self._memo, self._memo_level, self._memo_held = {}, None, 0
+            self._clear_memo(None)
         self.store.invalidate_above(level)
 
     # -- pieces ----------------------------------------------------------------------------
 
     def _read(self, blocks: list[int], n: int) -> list[Segment]:
-        """Segments of ``blocks`` at depth ``n`` or shallower: complete blocks at ``n`` from the
-        memo, the rest from the store (memoising those that come back complete at ``n``)."""
+        """Segments of ``blocks`` at depth ``n`` or shallower, deepest first within a block:
+        from the memo where this process read them before, else from the store."""
         if self._memo_level != n:
-            self._memo, self._memo_level, self._memo_held = {}, n, 0
-        known = [self._memo.pop(b) for b in blocks if b in self._memo]
-        for segment in known:  # most recently read last
-            self._memo[segment.block] = segment
-        need = [b for b in blocks if b not in self._memo]
-        if not need:
-            return known
-        # When every block fits the memo, one read fetches them all (each is read once per
-        # epoch, so asking block by block would cost a read per step until the memo is warm).
-        # Once per epoch and depth: while blocks are still being written or advanced, asking
-        # for all of them at every step would fetch the older depths again and again.
-        ahead = []
-        whole = self._row_bytes * self.blocks.num_samples
-        if self._row_bytes and self._ahead_level != n and (
-                self.memo_bytes is None or whole <= self.memo_bytes):
-            self._ahead_level = n
-            asked = set(need)
-            ahead = [b for b in range(self.blocks.num_blocks)
-                     if b not in self._memo and b not in asked]
-        fetched = self.store.read(need + ahead, n)
-        mine, wanted = [], set(need)
-        for segment in fetched:
-            if segment.ids.size:
-                self._row_bytes = sum(a.nbytes for a in segment.arrays) / segment.ids.size
-            if segment.level == n and len(segment.ids) == self.blocks.size(segment.block):
-                self._remember(segment)
-            if segment.block in wanted:
-                mine.append(segment)
-        return known + mine
+            self._clear_memo(n)
+        out = {b: self._touch(b) for b in blocks if b in self._memo}
+        need = [b for b in blocks if b not in out]
+        if need:
+            fetched: dict[int, list[Segment]] = {}
+            for segment in self.store.read(need + self._ahead(need, n), n):
+                fetched.setdefault(segment.block, []).append(segment)
+                if segment.ids.size:
+                    self._row_bytes = sum(a.nbytes for a in segment.arrays) / segment.ids.size
+            for block, segments in fetched.items():
+                self._remember(block, tuple(segments), n)
+            out.update((b, tuple(fetched.get(b, ()))) for b in need)
+        return [segment for b in blocks for segment in out[b]]
 
-    def _remember(self, segment: Segment) -> None:
-        size = sum(a.nbytes for a in segment.arrays) + segment.ids.nbytes
+    def _ahead(self, need: list[int], n: int) -> list[int]:
+        """Blocks to read with ``need``: every other one not yet held, once per epoch and
+        depth, when the whole cache fits the memo. Each block is read once per epoch, so asking
+        block by block would cost a store read per step until the memo is warm."""
+        whole = self._row_bytes * self.blocks.num_samples
+        if not self._row_bytes or self._ahead_level == n or (
+                self.memo_bytes is not None and whole > self.memo_bytes):
+            return []
+        self._ahead_level = n
+        asked = set(need)
+        return [b for b in range(self.blocks.num_blocks) if b not in self._memo and b not in asked]
+
+    def _touch(self, block: int) -> tuple[Segment, ...]:
+        """A memo entry, now the most recently read."""
+        segments = self._memo.pop(block)
+        self._memo[block] = segments
+        return segments
+
+    def _remember(self, block: int, segments: tuple[Segment, ...], n: int) -> None:
+        size = _nbytes(segments)
         limit = self.memo_bytes
         if limit is not None and size > limit:
             return
-        self._memo[segment.block] = segment
+        if block in self._memo:
+            self._forget(block)
+        self._memo[block] = segments
         self._memo_held += size
+        top = segments[0]
+        if top.level == n and len(top.ids) == self.blocks.size(block):
+            self._complete.add(block)
         while limit is not None and self._memo_held > limit:
-            old = self._memo.pop(next(iter(self._memo)))
-            self._memo_held -= sum(a.nbytes for a in old.arrays) + old.ids.nbytes
+            self._forget(next(iter(self._memo)))
+
+    def _forget(self, block: int) -> None:
+        self._memo_held -= _nbytes(self._memo.pop(block))
+        self._complete.discard(block)
+
+    def _clear_memo(self, level: int | None) -> None:
+        self._memo, self._complete, self._memo_level, self._memo_held = {}, set(), level, 0
 
     def _gather(self, segments: list[Segment], seg: np.ndarray, pos: np.ndarray) -> State:
         """Rows ``pos[i]`` of segments ``seg[i]``, as tensors on this device (copies, so no
@@ -307,6 +326,10 @@ def store_figures(prefix: CachedPrefix | None, rank: int) -> list[float]:
         return [0.0, 0.0]
     stats = prefix.store.stats()
     return [float(stats.bytes), float(stats.objects)]
+
+
+def _nbytes(segments: tuple[Segment, ...]) -> int:
+    return sum(sum(a.nbytes for a in seg.arrays) + seg.ids.nbytes for seg in segments)
 
 
 def _locate(indices: np.ndarray, segments: list[Segment]
