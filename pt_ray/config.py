@@ -265,9 +265,10 @@ class CacheConfig(_Section):
     budget_bytes: int | None = Field(default=None, gt=0)
     """A fixed byte budget instead of ``budget_fraction``."""
     worker_memo_bytes: int = Field(default=256 * 2**20, ge=0)
-    """Most bytes of complete cached blocks a stage-0 worker keeps between steps (least
-    recently read dropped first; 0: none). They are zero-copy views on its node's object
-    store, which keep those objects in memory (and copies of blocks written on other nodes)."""
+    """Most bytes of cached blocks a stage-0 worker keeps between steps (least recently read
+    dropped first; 0: none). They are zero-copy views on its node's object store, which keep
+    those objects in memory (and copies of blocks written on other nodes). When the whole cache
+    fits, the first read of an epoch fetches every block at once."""
     spill_directory: Path | None = None
     """Where an embedded Ray cluster spills objects to disk when its store is full (None:
     Ray's session directory). Ignored when attaching to a running cluster."""

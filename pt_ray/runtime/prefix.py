@@ -81,7 +81,7 @@ class CachedPrefix:
         device: where the prefix runs.
         costs: profiled per-layer costs, to estimate the time saved until this process has
             timed the prefix itself (None: no estimate until then).
-        memo_bytes: most bytes of complete blocks kept between reads (least recently read
+        memo_bytes: most bytes of read blocks kept between reads (least recently read
             dropped first; None: no limit).
     """
 
