@@ -17,8 +17,7 @@ optimizer:
    the two ranks sit (pipeline-major ranks, ``devices_per_node`` per node);
 4. ring all-reduce over R replicas: ``2 (R-1)/R * bytes / bandwidth + 2 (R-1) * latency``, with
    the inter-node bandwidth shared by the groups that cross nodes at once;
-5. the optimizer streams the active parameters' state through device memory;
-6. plus the profile's fixed cost per step (``per_step_overhead_s``), whatever M is.
+5. the optimizer streams the active parameters' state through device memory.
 """
 
 from __future__ import annotations
@@ -290,7 +289,7 @@ def step_time(
             bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
         ar.append(allreduce_time(grads[s], r, bw, lat))
         opt.append(grads[s] * optimizer_traffic / hw.memory_bandwidth)
-    step = max(sched.stage_end_s[s] + ar[s] + opt[s] for s in range(k)) + hw.per_step_overhead_s
+    step = max(sched.stage_end_s[s] + ar[s] + opt[s] for s in range(k))
     return StepBreakdown(
         step_s=step,
         pipeline_s=sched.makespan_s,

@@ -20,8 +20,8 @@ from pt_ray.shapes import ModelShape, layer_shapes
 __all__ = ["HardwareProfile", "calibrate", "fit_efficiency", "list_hardware", "load_hardware"]
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
-_MAY_BE_ZERO = ("per_microbatch_overhead_s", "per_step_overhead_s", "group_setup_s",
-                "intra_node_latency", "inter_node_latency")
+_MAY_BE_ZERO = ("per_microbatch_overhead_s", "group_setup_s", "intra_node_latency",
+                "inter_node_latency")
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,6 @@ class HardwareProfile:
         inter_node_latency: its latency, s.
         per_microbatch_overhead_s: fixed cost of one forward or backward of one micro-batch on
             one stage (launches, scheduling, synchronisation).
-        per_step_overhead_s: fixed cost of one optimizer step on a stage, whatever M is (the
-            optimizer's per-tensor launches, gradient-norm bookkeeping, collective latency).
         cache_bandwidth: rate one device reads or writes cached activations, B/s.
         activation_bytes_per_element: 4 (fp32) or 2 (16-bit autocast).
         group_setup_s: fixed cost of a transition (regrouping, rebuilding stages).
@@ -60,7 +58,6 @@ class HardwareProfile:
     inter_node_bandwidth: float
     inter_node_latency: float
     per_microbatch_overhead_s: float = 0.0
-    per_step_overhead_s: float = 0.0
     cache_bandwidth: float = 10e9
     activation_bytes_per_element: int = 4
     group_setup_s: float = 1.0

@@ -64,15 +64,6 @@ def test_step_time_bubble_for_balanced_stages(schedule):
         assert st.step_s == pytest.approx((m + k - 1) * 3.0 * 8 / k)
 
 
-def test_per_step_overhead_is_paid_once_per_step_whatever_m():
-    for m in (4, 8):
-        plain = step_time(even_plan(2, m=m), uniform(), IDEAL, batch_per_replica=m)
-        slow = step_time(even_plan(2, m=m), uniform(), replace(IDEAL, per_step_overhead_s=0.5),
-                         batch_per_replica=m)
-        assert slow.step_s == pytest.approx(plain.step_s + 0.5)
-        assert slow.pipeline_s == plain.pipeline_s
-
-
 def test_1f1b_order_warms_up_then_alternates():
     assert stage_order("1f1b", 0, 4, 6) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0),
                                            ("F", 4), ("B", 1), ("F", 5), ("B", 2), ("B", 3),
