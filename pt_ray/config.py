@@ -170,6 +170,11 @@ class PipelineConfig(_Section):
     """CPUs reserved per worker (and torch threads on CPU workers)."""
     max_failures: int = Field(default=2, ge=-1)
     """Worker-group restarts from the latest checkpoint before the run fails (-1: no limit)."""
+    use_gpu: bool | Literal["auto"] = "auto"
+    """Train on GPUs (one per worker, NCCL for CUDA tensors, gloo beside it for CPU ones):
+    ``true`` fails before any worker starts when the cluster has fewer than
+    ``num_workers`` (or ``min_workers``) GPUs; ``false`` trains on CPUs with gloo; ``auto``
+    uses GPUs when the cluster has enough, and says which it chose."""
     elastic: bool = True
     """AutoPipe and AutoDP: as blocks freeze, shorten the pipeline (K) and add replicas (R).
     ``false`` pins K and R at their start values, the paper's "freeze only" ablation: frozen
@@ -309,6 +314,12 @@ class RunConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute precision: master weights and optimizer state stay fp32 in every mode; ``bf16``
+    and ``fp16`` run forwards under autocast and send activations between stages (and cache
+    them) in that dtype; ``fp16`` adds one loss scale for the whole model (a step with an
+    inf/nan gradient on any rank is skipped on every rank). ``auto``: ``bf16`` on GPU workers,
+    ``fp32`` on CPU workers."""
     batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global"
     """``fixed_global``: the global batch stays ``data.batch_size`` and each of R replicas takes
     ``B / R`` (numerically the same as one process); ``per_replica``: each replica takes
