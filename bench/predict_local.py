@@ -361,7 +361,7 @@ def calibrate_microbench(cfg, adapter, splits, costs, hw, traffic, chunks: int =
             value.backward()
             float(value.detach())
             block_grad_norms(model, range(model.num_layers))
-            clip_grad_norm(params, cfg.optimizer.grad_clip, None)
+            clip_grad_norm(None, params, cfg.optimizer.grad_clip, None)
             opt.step()
             times.append(time.perf_counter() - t0)
         if chunk:

@@ -7,12 +7,15 @@ process group alone, for the forked gloo tests and runs without Ray.
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields
 from typing import Protocol
 
-import torch.distributed as dist
+import torch
 
 from pt_ray.control import ControlState
-from pt_ray.plan import CostTable, Plan
+from pt_ray.plan import CostTable, LayerCost, Plan
+from pt_ray.runtime.comm import Comm
 from pt_ray.summary import EpochRecord
 
 __all__ = ["Controller", "LocalController"]
@@ -34,16 +37,27 @@ class Controller(Protocol):
 
 class LocalController:
     """A controller without Ray: every rank keeps an identical :class:`ControlState` and feeds it
-    the same inputs, exchanged with ``all_gather_object`` over WORLD."""
+    the same inputs, exchanged as tensors over WORLD (nothing is pickled through a group).
 
-    def __init__(self, state: ControlState) -> None:
+    Args:
+        state: this rank's copy of the control state.
+        comm: the run's communication (default: on the CPU, for gloo; an NCCL run passes the
+            rank's CUDA :class:`Comm`).
+    """
+
+    def __init__(self, state: ControlState, comm: Comm | None = None) -> None:
         self.state = state
+        self._comm = comm
+
+    @property
+    def comm(self) -> Comm:
+        if self._comm is None:
+            self._comm = Comm(torch.device("cpu"))
+        return self._comm
 
     def submit_costs(self, rank: int, costs: CostTable) -> None:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, costs)
-        for r, c in enumerate(gathered):
-            self.state.submit_costs(r, c)
+        for r, row in enumerate(self.comm.all_gather(_costs_to_tensor(costs))):
+            self.state.submit_costs(r, _costs_from_tensor(row.cpu()))
 
     def plan_for(self, decision: int) -> Plan:
         plan = self.state.plan_for(decision)
@@ -52,10 +66,34 @@ class LocalController:
         return plan
 
     def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, norms)
-        for r, n in enumerate(gathered):
-            self.state.submit_norms(decision, r, n)
+        # One row per rank, as long as the deepest block any rank reports: NaN where this rank
+        # holds no norm of that block.
+        deepest = torch.tensor([max(norms, default=-1) + 1], dtype=torch.int64)
+        size = int(max(int(t.item()) for t in self.comm.all_gather(deepest)))
+        mine = torch.full((size,), float("nan"), dtype=torch.float64)
+        for block, value in norms.items():
+            mine[block] = value
+        for r, row in enumerate(self.comm.all_gather(mine)):
+            values = row.cpu().tolist()
+            self.state.submit_norms(
+                decision, r, {b: v for b, v in enumerate(values) if not math.isnan(v)})
 
     def record(self, rec: EpochRecord) -> None:
         self.state.record(rec)
+
+
+def _costs_to_tensor(costs: CostTable) -> torch.Tensor:
+    """``[samples, L, then 4 numbers per layer (embed, blocks, head)]`` as float64."""
+    values = [float(costs.samples), float(costs.num_layers)]
+    for layer in (costs.embed, *costs.blocks, costs.head):
+        values += [float(getattr(layer, f.name)) for f in fields(LayerCost)]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _costs_from_tensor(row: torch.Tensor) -> CostTable:
+    values = row.tolist()
+    samples, num_layers = int(values[0]), int(values[1])
+    width = len(fields(LayerCost))
+    layers = [LayerCost(*values[2 + i * width:2 + (i + 1) * width])
+              for i in range(num_layers + 2)]
+    return CostTable(layers[0], tuple(layers[1:-1]), layers[-1], samples=samples)

@@ -15,8 +15,13 @@ One step (DESIGN.md, "How one run flows"):
    (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
    and the loss; K = 1 runs without a pipeline;
 3. gradients of trained parameters are averaged over the stage's data-parallel group (frozen ones
-   never are); per-block gradient norms are recorded; the global norm is clipped across stages;
+   never are); per-block gradient norms are recorded; the global norm is clipped across stages
+   (fp16: unscaled, and a step with an inf/nan anywhere is skipped on every rank);
 4. the optimizer (one group per owned layer) steps with the learning rate of the run's progress.
+
+Every collective and point-to-point call goes through :class:`pt_ray.runtime.comm.Comm`, on the
+groups' device (CUDA for NCCL); losses and gradient norms stay on the device until an epoch or
+a decision interval ends.
 """
 
 from __future__ import annotations
@@ -37,14 +42,16 @@ from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.plan import CostTable, Plan, is_trainable
 from pt_ray.runtime.cache import ActivationStore, training_sampler
 from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
+from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
 from pt_ray.runtime.migrate import LayerStates, collect_layer_state, migrate
 from pt_ray.runtime.optim import build_optimizer, layer_param_groups, lr_factor, set_lr
+from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
-from pt_ray.runtime.stages import StageModule, build_schedule
-from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm, recv_tensors, send_tensors
+from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
+from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology
 from pt_ray.summary import EpochRecord
 
@@ -67,6 +74,7 @@ class ElasticWorker:
             reporting, fault injection in tests).
         store: the activation cache's store (None: the frozen prefix is always recomputed,
             whatever the plans say).
+        comm: the run's communication (default: built for ``device`` over WORLD).
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class ElasticWorker:
         costs: CostTable | None = None,
         on_step: Callable[[int, int], None] | None = None,
         store: ActivationStore | None = None,
+        comm: Comm | None = None,
     ) -> None:
         self.cfg = cfg
         self.on_step = on_step
@@ -89,6 +98,10 @@ class ElasticWorker:
         self.device = device or torch.device("cpu")
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.comm = comm or Comm(self.device)
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.scaler = LossScaler() if self.precision.scaled else None
+        self._shapes: Shapes | None = None
         self.modules = dict(iter_layers(adapter))
         self.fixed_costs = costs
         deterministic = splits.train.deterministic_transform
@@ -98,7 +111,8 @@ class ElasticWorker:
             blocks = self.sampler.blocks or CacheBlocks(len(splits.train), cfg.cache.block_size,
                                                         cfg.seed)
             self.prefix = CachedPrefix(adapter, store, blocks, self.device, costs,
-                                       memo_bytes=cfg.cache.worker_memo_bytes)
+                                       memo_bytes=cfg.cache.worker_memo_bytes,
+                                       precision=self.precision)
         self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
         self.plan: Plan | None = None
         self.topo: Topology | None = None
@@ -120,7 +134,7 @@ class ElasticWorker:
             n = max(1, self.cfg.data.batch_size // self.world)
             batch = gather(self.splits.train, list(range(min(n, len(self.splits.train)))))
             batch = _to(batch, self.device)
-            costs = profile_costs(self.adapter, batch)
+            costs = profile_costs(self.adapter, batch, precision=self.precision)
             if self.prefix is not None:
                 self.prefix.set_costs(costs)
         self.controller.submit_costs(self.rank, costs)
@@ -140,7 +154,7 @@ class ElasticWorker:
         if self.plan is None:
             states = restored or {}
         else:
-            states = migrate(self.modules, self.optimizer, self.plan, plan, self.rank)
+            states = migrate(self.comm, self.modules, self.optimizer, self.plan, plan, self.rank)
             self.topo.destroy()
         for name in frozen_layer_names(plan.num_frozen):
             for p in self.modules[name].parameters():
@@ -149,7 +163,8 @@ class ElasticWorker:
         self.topo = Topology.build(plan)
         stage = self.topo.stage
         cached = plan.cache and self.prefix is not None and stage == 0 and plan.num_frozen > 0
-        self.stage = StageModule(self.adapter, plan, stage, state_inputs=cached)
+        self.stage = StageModule(self.adapter, plan, stage, state_inputs=cached,
+                                 precision=self.precision)
         trained = [n for n in plan.stage_layers(stage) if is_trainable(plan, n)]
         self.optimizer = build_optimizer(
             self.cfg.optimizer,
@@ -160,17 +175,30 @@ class ElasticWorker:
             for p, s in zip(self.modules[name].parameters(), states.get(name, ())):
                 if s:
                     self.optimizer.state[p] = s
-        self.schedule = (
-            build_schedule(self.stage, plan, stage, self.topo.pipeline_group, self.device,
-                           self.adapter.loss)
-            if plan.pipeline_length > 1 else None
-        )
+        self.schedule = None
+        if plan.pipeline_length > 1:
+            microbatch = self._replicas_batch(plan) // plan.num_replicas // plan.num_microbatches
+            self.schedule = build_schedule(self.stage, plan, stage, self.topo.pipeline_group,
+                                           self.device, self._scaled_loss, self._probe(),
+                                           microbatch)
         old, self.plan = self.plan, plan
         self._set_modes()
         elapsed = time.perf_counter() - t0
         if old is not None and self.rank == 0:
             logger.info("rank 0 entered %s in %.3f s", plan.describe(), elapsed)
         return elapsed
+
+    def _probe(self) -> Shapes:
+        """The shapes crossing stage boundaries (learnt once, from one training sample)."""
+        if self._shapes is None:
+            sample = _to(gather(self.splits.train, [0]), self.device)
+            self._shapes = probe_shapes(self.adapter, sample.inputs, self.precision)
+        return self._shapes
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from: times the loss scale under fp16."""
+        loss = self.adapter.loss(output, target)
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
     def _set_modes(self) -> None:
         self.adapter.model.train()
@@ -179,13 +207,16 @@ class ElasticWorker:
 
     # -- training ------------------------------------------------------------------------------
 
-    def _replicas_batch(self) -> int:
+    def _replicas_batch(self, plan: Plan | None = None) -> int:
+        """Samples per step over all replicas (the global batch)."""
         b = self.cfg.data.batch_size
-        return b if self.cfg.batch_policy == "fixed_global" else b * self.plan.num_replicas
+        plan = plan or self.plan
+        return b if self.cfg.batch_policy == "fixed_global" else b * plan.num_replicas
 
-    def train_step(self, indices: np.ndarray) -> float:
+    def train_step(self, indices: np.ndarray) -> torch.Tensor | float:
         """One optimizer step on the global batch ``indices``; returns this rank's share of the
-        replica-mean loss (non-zero on last stages only)."""
+        replica-mean loss (a 0-d tensor on the device on last stages, 0.0 elsewhere), not read
+        back to the host."""
         plan, topo, cfg = self.plan, self.topo, self.cfg
         r = plan.num_replicas
         mine = split_for_replica(indices, topo.replica, r)
@@ -202,28 +233,42 @@ class ElasticWorker:
             if batch is None:
                 batch = _to(gather(self.splits.train, mine.tolist()), self.device)
             args = batch.inputs
-        loss = 0.0
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss: torch.Tensor | float = 0.0
         if self.schedule is None:
             out = self.stage(*args)
-            value = self.adapter.loss(out, batch.target)
+            value = self._scaled_loss(out, batch.target)
             value.backward()
-            loss = float(value.detach())
+            loss = value.detach() / scale
         elif first:
             self.schedule.step(*args)
         elif last:
             losses: list[torch.Tensor] = []
             self.schedule.step(target=batch.target, losses=losses)
-            loss = float(torch.stack([l.detach() for l in losses]).mean())
+            loss = torch.stack([l.detach() for l in losses]).mean() / scale
         else:
             self.schedule.step()
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        all_reduce_grads(params, topo.dp_group, r)
+        all_reduce_grads(self.comm, params, topo.dp_group, r)
         blocks = range(plan.boundaries[topo.stage], plan.boundaries[topo.stage + 1])
-        self.norms.add(block_grad_norms(self.adapter, blocks))
-        clip_grad_norm(params, cfg.optimizer.grad_clip, topo.pipeline_group)
-        self.optimizer.step()
+        norms = block_grad_norms(self.adapter, blocks)
+        total = clip_grad_norm(self.comm, params, cfg.optimizer.grad_clip, topo.pipeline_group,
+                               inv_scale=1.0 / scale)
         self.global_step += 1
         self.samples_seen += len(indices)
+        if self.scaler is not None:
+            # The norm summed over the pipeline after the replicas' reduction: an inf/nan on any
+            # rank is seen by every rank, which all skip the step and back off alike.
+            found_inf = not bool(torch.isfinite(total))
+            self.scaler.update(found_inf)
+            if found_inf:
+                if self.rank == 0:
+                    logger.info("step %d skipped: inf/nan gradient; loss scale %g -> %g",
+                                self.global_step - 1, scale, self.scaler.scale)
+                return loss / r if last else 0.0
+            norms = {b: v / scale for b, v in norms.items()}
+        self.norms.add(norms)
+        self.optimizer.step()
         return loss / r if last else 0.0
 
     def _loader(self, mine: np.ndarray, batch):
@@ -264,7 +309,8 @@ class ElasticWorker:
         transition = 0.0 if by_steps else self._decision_point(epoch)
         set_epoch(self.splits.train, epoch)
         order = self.sampler.epoch_order(epoch)
-        offset, steps, loss_sum = 0, 0, 0.0
+        offset, steps = 0, 0
+        loss_sum: torch.Tensor | float = 0.0
         t0 = time.perf_counter()
         while offset + self._replicas_batch() <= len(order):
             if self.on_step is not None:
@@ -278,14 +324,12 @@ class ElasticWorker:
             offset += size
             steps += 1
         epoch_time = time.perf_counter() - t0
-        cache = epoch_counters(self.prefix)
-        dist.all_reduce(cache, op=dist.ReduceOp.SUM)  # after it, every rank's writes landed
+        # After this reduction every rank's cache writes have landed.
+        cache = self.comm.reduce_values(epoch_counters(self.prefix))
         held = store_figures(self.prefix, self.rank)
         metric, eval_time = self.evaluate()
-        totals = torch.tensor([loss_sum, *held], dtype=torch.float64)
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        times = torch.tensor([epoch_time, transition])
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        totals = self.comm.reduce_values([float(loss_sum), *held])
+        times = self.comm.reduce_values([epoch_time, transition], op="max")
         rec = EpochRecord(
             epoch=epoch,
             num_frozen=self.plan.num_frozen,
@@ -339,7 +383,7 @@ class ElasticWorker:
         n = len(self.splits.eval)
         size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         self.adapter.model.eval()
-        correct = 0
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
         prev = topo.pipeline_ranks[topo.stage - 1] if not topo.is_first_stage else None
         nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
         for idx in eval_shards(n, size, topo.replica, plan.num_replicas):
@@ -349,16 +393,15 @@ class ElasticWorker:
                     inputs = self.stage.run_prefix(*inputs)
                 out = self.stage(*inputs)
             else:
-                out = self.stage(*recv_tensors(prev, self.device))
+                out = self.stage(*self.comm.recv(prev, self.device))
             if nxt is not None:
-                send_tensors(out, nxt)
+                self.comm.send(out, nxt)
             else:
                 target = gather(self.splits.eval, idx.tolist()).target.to(self.device)
-                correct += int(self.adapter.correct(out, target).sum())
+                correct += self.adapter.correct(out, target).sum()
         self._set_modes()
-        total = torch.tensor([float(correct)])
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return float(total) / max(n, 1), time.perf_counter() - t0
+        (total,) = self.comm.reduce_values([float(correct)])
+        return total / max(n, 1), time.perf_counter() - t0
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -388,7 +431,7 @@ class ElasticWorker:
                 ]
             layers[name] = entry
         if self.primary_layers():
-            layers["__norms__"] = {"sums": dict(self.norms.sums), "steps": self.norms.steps}
+            layers["__norms__"] = self.norms.state_dict()
         write_shard(directory, self.rank, layers)
 
     def checkpoint_meta(self, epoch: int) -> dict:
@@ -398,6 +441,8 @@ class ElasticWorker:
             "global_step": self.global_step,
             "samples_seen": self.samples_seen,
             "num_workers": self.world,
+            "precision": self.precision.name,
+            **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
 
     def restore(self, directory, plan: Plan) -> int:
@@ -406,6 +451,8 @@ class ElasticWorker:
         meta = read_meta(directory)
         self.global_step = meta["global_step"]
         self.samples_seen = meta["samples_seen"]
+        if self.scaler is not None and "loss_scale" in meta:
+            self.scaler.load_state_dict(meta["loss_scale"])
         replica, stage = plan.coords(self.rank)
         names = plan.stage_layers(stage)
         loaded, norms = load_layers(directory, names)
@@ -429,7 +476,7 @@ class ElasticWorker:
             # replays, perhaps to a different decision; writes still in flight too. Every rank
             # drops them (idempotent on a shared store), then all write under the last lineage.
             self.prefix.invalidate_above(plan.num_frozen)
-            dist.barrier()
+            self.comm.barrier()
             self.prefix.store.attach()
         self.apply_plan(plan, restored=states)
         return meta["epoch"] + 1

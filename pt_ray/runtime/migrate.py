@@ -5,17 +5,17 @@ holds a layer's latest state (replica 0's holder under the old plan) sends the l
 and, for layers that keep training, their optimizer state (moments and step counts) to each rank
 that needs it under the new plan. Nothing is re-initialised; the head and the optimizer's
 moments carry over (the 2021 code lost both). Transfers are point-to-point in one global order,
-so every rank meets its partner at the same transfer and none can deadlock.
+so every rank meets its partner at the same transfer and none can deadlock. Everything moves as
+tensors on the run's communication device (the state's keys as codes), never pickled.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pt_ray.plan import Plan, is_trainable, transfers
-from pt_ray.runtime.sync import recv_tensors, send_tensors
+from pt_ray.runtime.comm import Comm
 
 __all__ = ["LayerStates", "collect_layer_state", "migrate"]
 
@@ -31,21 +31,42 @@ def collect_layer_state(optimizer: torch.optim.Optimizer | None, module: nn.Modu
     return [dict(optimizer.state.get(p, {})) for p in module.parameters()]
 
 
-def _send_state(states: list[dict], dst: int) -> None:
-    keys = [sorted(s) for s in states]
-    dist.send_object_list([keys], dst)
-    send_tensors([torch.as_tensor(s[k]) for s, ks in zip(states, keys) for k in ks], dst)
+# Wire codes of the optimizer-state keys that migrate (AdamW and SGD); append only.
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 
 
-def _recv_state(src: int) -> list[dict]:
-    box = [None]
-    dist.recv_object_list(box, src)
-    keys = box[0]
-    flat = iter(recv_tensors(src))
-    return [{k: next(flat) for k in ks} for ks in keys]
+def _send_state(comm: Comm, states: list[dict], dst: int) -> None:
+    """Per parameter, its state's keys as codes (a count, then the codes), then the values."""
+    codes: list[int] = []
+    values: list[torch.Tensor] = []
+    for state in states:
+        present = [k for k in sorted(state) if state[k] is not None]
+        unknown = [k for k in present if k not in STATE_KEYS]
+        if unknown:
+            raise ValueError(
+                f"optimizer state keys {unknown} cannot migrate; known keys: {', '.join(STATE_KEYS)}"
+            )
+        codes += [len(present), *(STATE_KEYS.index(k) for k in present)]
+        values += [torch.as_tensor(state[k]) for k in present]
+    comm.send([torch.tensor(codes, dtype=torch.int64), *values], dst)
+
+
+def _recv_state(comm: Comm, src: int, params: list[torch.nn.Parameter]) -> list[dict]:
+    """The states :func:`_send_state` sent, each value on its parameter's device; ``step``
+    stays a CPU scalar, where torch's optimizers keep it unless capturable."""
+    codes, *values = comm.recv(src)
+    codes_list, flat = codes.tolist(), iter(values)
+    out, i = [], 0
+    for p in params:
+        count = codes_list[i]
+        keys = [STATE_KEYS[c] for c in codes_list[i + 1:i + 1 + count]]
+        i += 1 + count
+        out.append({k: next(flat).to("cpu" if k == "step" else p.device) for k in keys})
+    return out
 
 
 def migrate(
+    comm: Comm,
     modules: dict[str, nn.Module],
     optimizer: torch.optim.Optimizer | None,
     old: Plan,
@@ -55,6 +76,7 @@ def migrate(
     """Move parameters and optimizer state from ``old`` to ``new``; call on every rank.
 
     Args:
+        comm: the run's communication (every tensor moves on its device).
         modules: every layer's module by name (every rank holds all modules; only the layers it
             holds under a plan are up to date).
         optimizer: this rank's optimizer under ``old`` (its per-parameter state is read).
@@ -72,19 +94,16 @@ def migrate(
             continue
         params = list(modules[t.layer].parameters())
         if rank == t.src:
-            send_tensors([p.detach() for p in params], t.dst)
+            comm.send([p.detach() for p in params], t.dst)
             if t.with_state:
-                _send_state(collect_layer_state(optimizer, modules[t.layer]), t.dst)
+                _send_state(comm, collect_layer_state(optimizer, modules[t.layer]), t.dst)
         else:
-            received = recv_tensors(t.src, device=params[0].device if params else None)
+            received = comm.recv(t.src)
             with torch.no_grad():
                 for p, value in zip(params, received, strict=True):
                     p.copy_(value)
             if t.with_state:
-                states[t.layer] = [
-                    {k: v.to(p.device) if k != "step" else v for k, v in s.items()}
-                    for p, s in zip(params, _recv_state(t.src))
-                ]
+                states[t.layer] = _recv_state(comm, t.src, params)
     for layer in new.stage_layers(new.coords(rank)[1]):
         if layer not in states and is_trainable(new, layer):
             states[layer] = collect_layer_state(optimizer, modules[layer])

@@ -28,6 +28,7 @@ from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import ModelAdapter, State
 from pt_ray.plan import CostTable
 from pt_ray.runtime.cache import ActivationStore, Segment, from_numpy, to_numpy
+from pt_ray.runtime.precision import Precision
 
 __all__ = ["CacheCounters", "CachedPrefix", "epoch_counters", "store_figures"]
 
@@ -83,6 +84,8 @@ class CachedPrefix:
             timed the prefix itself (None: no estimate until then).
         memo_bytes: most bytes of read blocks kept between reads (least recently read
             dropped first; None: no limit).
+        precision: the run's precision: the prefix runs under its autocast and rows are
+            cached in its compute dtype (default: fp32).
     """
 
     def __init__(
@@ -93,8 +96,10 @@ class CachedPrefix:
         device: torch.device,
         costs: CostTable | None = None,
         memo_bytes: int | None = None,
+        precision: Precision | None = None,
     ) -> None:
         self.adapter = adapter
+        self.precision = precision or Precision("fp32")
         self.memo_bytes = memo_bytes
         self.store = store
         self.blocks = blocks
@@ -266,7 +271,8 @@ class CachedPrefix:
         modules = ([self.adapter.embed] if lo == 0 else []) + list(self.adapter.blocks[lo:n])
         for i, module in enumerate(modules, start=0 if lo == 0 else lo + 1):
             t = time.perf_counter()
-            state = module(*state)
+            with self.precision.autocast():
+                state = module(*state)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             spent = time.perf_counter() - t
@@ -274,7 +280,7 @@ class CachedPrefix:
             seconds_rows[0] += spent
             seconds_rows[1] += rows
             self.counters.compute_s += spent
-        return state
+        return self.precision.cast_state(state)
 
     def _prefix_row_s(self, level: int) -> float:
         """Estimated forward seconds per sample of the prefix up to depth ``level``."""
@@ -300,7 +306,7 @@ class CachedPrefix:
         return state
 
 
-def epoch_counters(prefix: CachedPrefix | None) -> torch.Tensor:
+def epoch_counters(prefix: CachedPrefix | None) -> list[float]:
     """At the end of an epoch, once this rank's writes have landed: its share of the epoch's
     cache figures, to be summed over ranks: ``[rows, rows served from the cache (hit or
     advanced), saved_s, 1 if it read the cache, cost_s, uncached_s]`` (zeros without a cache).
@@ -309,11 +315,11 @@ def epoch_counters(prefix: CachedPrefix | None) -> torch.Tensor:
         prefix: this rank's cached prefix (None: no cache in this run).
     """
     if prefix is None:
-        return torch.zeros(6, dtype=torch.float64)
+        return [0.0] * 6
     prefix.store.drain()
     c = prefix.reset()
-    return torch.tensor([c.rows, c.hits + c.advanced, c.saved_s, float(c.rows > 0), c.cost_s,
-                         c.uncached_s], dtype=torch.float64)
+    return [float(c.rows), float(c.hits + c.advanced), c.saved_s, float(c.rows > 0), c.cost_s,
+            c.uncached_s]
 
 
 def store_figures(prefix: CachedPrefix | None, rank: int) -> list[float]:

@@ -20,6 +20,7 @@ import torch
 from pt_ray.data.base import Batch
 from pt_ray.models.base import ModelAdapter, State
 from pt_ray.plan import CostTable, LayerCost
+from pt_ray.runtime.precision import Precision
 
 __all__ = ["profile_costs"]
 
@@ -77,8 +78,10 @@ def _sum_first(out: State | torch.Tensor) -> torch.Tensor:
     return first.float().sum()
 
 
-def profile_costs(adapter: ModelAdapter, batch: Batch, repeats: int = 3) -> CostTable:
-    """Measure every layer's costs on one micro-batch.
+def profile_costs(
+    adapter: ModelAdapter, batch: Batch, repeats: int = 3, precision: Precision | None = None
+) -> CostTable:
+    """Measure every layer's costs on one micro-batch, in the run's precision.
 
     The model is left in the mode it was in; gradients it held are left alone (``autograd.grad``
     does not touch ``.grad``).
@@ -87,15 +90,24 @@ def profile_costs(adapter: ModelAdapter, batch: Batch, repeats: int = 3) -> Cost
         adapter: the model, cut into layers.
         batch: one micro-batch on the model's device (its size is ``CostTable.samples``).
         repeats: timed repetitions per layer (median kept), after one warm-up.
+        precision: the run's precision (default fp32): layers run under its autocast and
+            their outputs are cast to its compute dtype, so activation bytes are the bytes a
+            stage sends (bf16 halves them).
 
     Returns:
         A :class:`CostTable` whose times are seconds per micro-batch of ``len(batch)`` samples.
     """
+    with (precision or Precision("fp32")).autocast():
+        return _profile(adapter, batch, repeats, precision or Precision("fp32"))
+
+
+def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision) -> CostTable:
     device = batch.target.device
     n = len(batch)
     embed_params = [p for p in adapter.embed.parameters() if p.requires_grad]
     f, b, state = _time_layer(
-        lambda: adapter.embed(*batch.inputs), batch.inputs, embed_params, device, repeats,
+        lambda: prec.cast_state(adapter.embed(*batch.inputs)), batch.inputs, embed_params,
+        device, repeats,
         _sum_first,
     )
     embed = LayerCost(f, b, _bytes(state) / n, _param_bytes(adapter.embed))
@@ -104,14 +116,15 @@ def profile_costs(adapter: ModelAdapter, batch: Batch, repeats: int = 3) -> Cost
         inp = _detach(state)
         params = [p for p in block.parameters() if p.requires_grad]
         f, b, state = _time_layer(
-            lambda blk=block, x=inp: blk(*x), inp, params, device, repeats, _sum_first
+            lambda blk=block, x=inp: prec.cast_state(blk(*x)), inp, params, device, repeats,
+            _sum_first
         )
         blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block)))
     blocks = _pool_alike(adapter, blocks)
     inp = _detach(state)
     params = [p for p in adapter.head.parameters() if p.requires_grad]
     f, b, out = _time_layer(
-        lambda: adapter.head(*inp), inp, params, device, repeats,
+        lambda: prec.logits(adapter.head(*inp)), inp, params, device, repeats,
         lambda o: adapter.loss(o, batch.target),
     )
     head = LayerCost(f, b, _bytes(out) / n, _param_bytes(adapter.head))

@@ -15,6 +15,7 @@ with the same parameters:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -29,9 +30,17 @@ from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.control import policy_for, start_pipeline_length
 from pt_ray.freeze import FreezePolicy
-from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers, layer_module
+from pt_ray.models.base import (
+    ModelAdapter,
+    forward_layers,
+    frozen_layer_names,
+    iter_layers,
+    layer_module,
+)
 from pt_ray.models.registry import build_adapter
 from pt_ray.runtime.cache import training_sampler
+from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
+from pt_ray.runtime.sync import clip_grad_norm
 from pt_ray.runtime.optim import (
     build_optimizer,
     layer_param_groups,
@@ -62,39 +71,55 @@ def build_model_for(cfg: RunConfig, splits: DatasetSplits) -> ModelAdapter:
 
 @dataclass
 class GradNormMeter:
-    """Mean per-block gradient L2 norm over the steps since the last reset."""
+    """Mean per-block gradient L2 norm over the steps since the last reset.
 
-    sums: dict[int, float] = field(default_factory=dict)
+    Norms accumulate as tensors on the gradients' device (no host read per step); :meth:`mean`
+    reads them back once per decision interval.
+    """
+
+    sums: dict[int, torch.Tensor | float] = field(default_factory=dict)
     steps: int = 0
 
-    def add(self, norms: dict[int, float]) -> None:
+    def add(self, norms: dict[int, torch.Tensor | float]) -> None:
         for block, value in norms.items():
-            self.sums[block] = self.sums.get(block, 0.0) + value
+            if torch.is_tensor(value):
+                value = value.detach().double()
+            self.sums[block] = self.sums[block] + value if block in self.sums else value
         self.steps += 1
 
     def mean(self) -> dict[int, float]:
-        return {b: s / self.steps for b, s in self.sums.items()} if self.steps else {}
+        return {b: float(s) / self.steps for b, s in self.sums.items()} if self.steps else {}
+
+    def state_dict(self) -> dict:
+        """Plain numbers, for checkpoints."""
+        return {"sums": {b: float(s) for b, s in self.sums.items()}, "steps": self.steps}
 
     def reset(self) -> None:
         self.sums.clear()
         self.steps = 0
 
 
-def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, float]:
-    """L2 norm of each listed block's current gradient (blocks without gradients skipped)."""
+def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, torch.Tensor]:
+    """L2 norm of each listed block's current gradient, as 0-d tensors on its device (blocks
+    without gradients skipped)."""
     out = {}
     for i in blocks:
         grads = [p.grad for p in adapter.blocks[i].parameters() if p.grad is not None]
         if grads:
-            out[i] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            out[i] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
     return out
 
 
 @torch.no_grad()
 def evaluate(
-    adapter: ModelAdapter, splits: DatasetSplits, batch_size: int, num_workers: int = 0
+    adapter: ModelAdapter,
+    splits: DatasetSplits,
+    batch_size: int,
+    num_workers: int = 0,
+    precision: Precision | None = None,
 ) -> float:
-    """The eval metric over the whole eval set (every sample once), in eval mode.
+    """The eval metric over the whole eval set (every sample once), in eval mode (under
+    ``precision``'s autocast when given).
 
     Every module's own mode is restored afterwards: ``model.train()`` would also switch a
     frozen prefix (kept in eval mode) back to training mode, turning its dropout on.
@@ -111,10 +136,9 @@ def evaluate(
     correct = 0
     try:
         for batch in iterate_batches(splits.eval, steps, num_workers):
-            state = adapter.embed(*batch.inputs)
-            for block in adapter.blocks:
-                state = block(*state)
-            correct += int(adapter.correct(adapter.head(*state), batch.target).sum())
+            with precision.autocast() if precision is not None else contextlib.nullcontext():
+                out = forward_layers(adapter, batch.inputs)
+            correct += int(adapter.correct(out, batch.target).sum())
     finally:
         for m, mode in modules.items():
             m.training = mode
@@ -157,6 +181,8 @@ class ReferenceTrainer:
         self.num_frozen = 0
         self.global_step = 0
         self.norms = GradNormMeter()
+        self.precision = resolve_precision(cfg.precision, torch.device("cpu"))
+        self.scaler = LossScaler() if self.precision.scaled else None
         self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
         self._set_modes()
 
@@ -204,21 +230,40 @@ class ReferenceTrainer:
         set_lr(self.optimizer, self.cfg.optimizer.lr * lr_factor(
             self.global_step * self.cfg.data.batch_size / self.total_samples, self.cfg.optimizer
         ))
-        if n > 0:
-            with torch.no_grad():
+        prec = self.precision
+        with prec.autocast():
+            if n > 0:
+                with torch.no_grad():
+                    state = a.embed(*batch.inputs)
+                    for block in a.blocks[:n]:
+                        state = block(*state)
+                # The frozen prefix's output is an activation the engine sends or caches.
+                state = prec.cast_state(state)
+            else:
                 state = a.embed(*batch.inputs)
-                for block in a.blocks[:n]:
-                    state = block(*state)
-        else:
-            state = a.embed(*batch.inputs)
-        for block in a.blocks[n:]:
-            state = block(*state)
-        loss = a.loss(a.head(*state), batch.target)
+            for block in a.blocks[n:]:
+                state = block(*state)
+            out = prec.logits(a.head(*state))
+        loss = a.loss(out, batch.target)
         self.optimizer.zero_grad(set_to_none=True)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            scale = self.scaler.scale
+            (loss * scale).backward()
+            scaled = block_grad_norms(a, range(n, a.num_layers))
+            norm = clip_grad_norm(None, params, self.cfg.optimizer.grad_clip, None,
+                                  inv_scale=1.0 / scale)
+            found_inf = not bool(torch.isfinite(norm))
+            self.scaler.update(found_inf)
+            self.global_step += 1
+            if found_inf:  # skipped: no step, no norms
+                return float(loss.detach())
+            self.norms.add({b: v / scale for b, v in scaled.items()})
+            self.optimizer.step()
+            return float(loss.detach())
         loss.backward()
         self.norms.add(block_grad_norms(a, range(n, a.num_layers)))
         if self.cfg.optimizer.grad_clip is not None:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip)
         self.optimizer.step()
         self.global_step += 1
@@ -242,7 +287,7 @@ class ReferenceTrainer:
         t1 = time.perf_counter()
         metric = evaluate(
             self.adapter, self.splits, cfg.data.eval_batch_size or cfg.data.batch_size,
-            cfg.data.num_workers,
+            cfg.data.num_workers, self.precision,
         )
         samples = len(steps) * cfg.data.batch_size
         return EpochRecord(

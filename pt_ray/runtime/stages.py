@@ -4,7 +4,8 @@ Stages are built by slicing the adapter's block list (never by tracing): stage 0
 prefix (embedding plus blocks ``0..n-1``, in eval mode under ``no_grad``) and, when nothing is
 frozen, the trainable embedding; every stage runs its active blocks; the last stage runs the
 head. The state tuple (hidden states, plus the attention mask for BERT-family models) travels
-between stages as the schedule's activations. When the activation cache serves the frozen
+between stages as the schedule's activations, in the compute dtype (every forward runs under the
+run's autocast; :mod:`pt_ray.runtime.precision`). When the activation cache serves the frozen
 prefix, stage 0 takes that state (computed for the whole replica batch before the schedule,
 :mod:`pt_ray.runtime.prefix`) instead of the model inputs.
 """
@@ -12,6 +13,7 @@ prefix, stage 0 takes that state (computed for the whole replica batch before th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,8 +21,51 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from pt_ray.models.base import ModelAdapter, State
 from pt_ray.plan import Plan
+from pt_ray.runtime.precision import Precision
 
-__all__ = ["StageModule", "build_schedule"]
+__all__ = ["Shapes", "StageModule", "build_schedule", "probe_shapes"]
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+"""One tensor's shape without the batch dimension, and its dtype."""
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What crosses stage boundaries, per sample: the model inputs, the state between blocks (in
+    the compute dtype) and the model output (fp32 logits)."""
+
+    inputs: tuple[Spec, ...]
+    state: tuple[Spec, ...]
+    output: tuple[Spec, ...]
+
+
+@torch.no_grad()
+def probe_shapes(adapter: ModelAdapter, inputs: State, precision: Precision) -> Shapes:
+    """Run one sample through the embedding, the first block and the head to learn the shapes
+    and dtypes of a stage's inputs and outputs (so the pipeline schedules need no shape
+    inference, which would pickle metadata through the pipeline group).
+
+    Args:
+        adapter: the model.
+        inputs: model inputs of at least one sample, on the model's device.
+        precision: the run's precision.
+    """
+    one = tuple(t[:1] for t in inputs)
+    modes = [m.training for m in (adapter.embed, adapter.blocks[0], adapter.head)]
+    for m in (adapter.embed, adapter.blocks[0], adapter.head):
+        m.eval()
+    try:
+        with precision.autocast():
+            state = precision.cast_state(adapter.blocks[0](*adapter.embed(*one)))
+            out = precision.logits(adapter.head(*state))
+    finally:
+        for m, mode in zip((adapter.embed, adapter.blocks[0], adapter.head), modes):
+            m.train(mode)
+
+    def specs(tensors) -> tuple[Spec, ...]:
+        return tuple((tuple(t.shape[1:]), t.dtype) for t in tensors)
+
+    return Shapes(specs(one), specs(state), specs((out,)))
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -37,6 +82,7 @@ class StageModule(nn.Module):
         stage: this stage's index in ``[0, K)``.
         state_inputs: stage 0's forward takes the frozen prefix's output (the activation cache
             serves it) instead of the model inputs; only with a frozen prefix.
+        precision: the run's precision (default: fp32).
     """
 
     def __init__(
@@ -45,8 +91,10 @@ class StageModule(nn.Module):
         plan: Plan,
         stage: int,
         state_inputs: bool = False,
+        precision: Precision | None = None,
     ) -> None:
         super().__init__()
+        self.precision = precision or Precision("fp32")
         self.is_first = stage == 0
         self.is_last = stage == plan.pipeline_length - 1
         n = plan.num_frozen
@@ -67,25 +115,28 @@ class StageModule(nn.Module):
             self.head = adapter.head
 
     def run_prefix(self, *inputs: torch.Tensor) -> State:
-        """Stage 0's start: the frozen prefix (no gradients) or the trainable embedding."""
-        if self._frozen:
-            with torch.no_grad():
-                state = self._frozen[0](*inputs)
-                for block in self._frozen[1:]:
-                    state = block(*state)
-            return state
-        return self.embed(*inputs)
+        """Stage 0's start: the frozen prefix (no gradients; its output in the compute dtype,
+        as the activation cache would hold it) or the trainable embedding."""
+        with self.precision.autocast():
+            if self._frozen:
+                with torch.no_grad():
+                    state = self._frozen[0](*inputs)
+                    for block in self._frozen[1:]:
+                        state = block(*state)
+                return self.precision.cast_state(state)
+            return self.embed(*inputs)
 
     def forward(self, *args: torch.Tensor) -> State | torch.Tensor:
         """Stage 0: model inputs (the prefix's output with ``state_inputs``); other stages: the
         previous stage's state. Returns the next state, or the model output on the last
         stage."""
         state = self.run_prefix(*args) if self.is_first and not self.state_inputs else args
-        for block in self.blocks:
-            state = block(*state)
-        if self.is_last:
-            return self.head(*state)
-        return state
+        with self.precision.autocast():
+            for block in self.blocks:
+                state = block(*state)
+            if self.is_last:
+                return self.precision.logits(self.head(*state))
+        return self.precision.cast_state(state)
 
 
 def build_schedule(
@@ -95,12 +146,31 @@ def build_schedule(
     group: torch.distributed.ProcessGroup,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    shapes: Shapes,
+    microbatch: int,
 ):
     """A ``torch.distributed.pipelining`` schedule for one stage of a K > 1 pipeline.
 
     ``scale_grads=True`` divides gradients by M, so with equal micro-batches they equal the mean
-    over the replica's batch, as one un-pipelined step would give.
+    over the replica's batch, as one un-pipelined step would give. The stage's example inputs
+    and outputs (``microbatch`` rows of ``shapes``) are given up front, so the schedule infers
+    nothing at run time.
     """
-    pipe_stage = PipelineStage(module, stage, plan.pipeline_length, device, group=group)
+
+    def examples(specs: tuple[Spec, ...], grad: bool) -> tuple[torch.Tensor, ...]:
+        # requires_grad marks what carries a gradient back (what the schedule would infer).
+        return tuple(
+            torch.empty((microbatch, *shape), dtype=dtype, device=device,
+                        requires_grad=grad and dtype.is_floating_point)
+            for shape, dtype in specs)
+
+    first_in = shapes.state if module.state_inputs else shapes.inputs
+    pipe_stage = PipelineStage(
+        module, stage, plan.pipeline_length, device,
+        input_args=(examples(first_in, False) if module.is_first
+                    else examples(shapes.state, True)),
+        output_args=examples(shapes.output if module.is_last else shapes.state, True),
+        group=group,
+    )
     cls = _SCHEDULES[plan.schedule]
     return cls(pipe_stage, n_microbatches=plan.num_microbatches, loss_fn=loss_fn, scale_grads=True)
