@@ -89,7 +89,7 @@ class Result:
     """What a run returns.
 
     Attributes:
-        config: the resolved configuration.
+        config: the resolved configuration (``pipeline.use_gpu`` and ``precision`` concrete).
         timeline: one record per epoch.
         metric_name: name of the eval metric.
         final_eval_metric: the eval metric after the last epoch.
@@ -131,14 +131,18 @@ def fit(
         worker_env: extra environment variables for Ray's training workers.
 
     Raises:
-        ConfigError: a bad value, before anything is built.
+        ConfigError: a bad value, before anything is built; or ``pipeline.use_gpu=true`` on a
+            cluster without the GPUs, once Ray has started and before anything else has.
     """
     cfg = resolve_config(config, overrides)
     if cfg.engine == "ray":
         preflight(cfg)
     run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    def start(resolved: RunConfig) -> None:
+        # Written once devices and precision are resolved, before any worker starts.
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(resolved.to_yaml())
 
     def report(rec: EpochRecord) -> None:
         if on_epoch is not None:
@@ -150,6 +154,12 @@ def fit(
     extra: dict[str, Any] = {"engine": cfg.engine}
     # Imported here so that config errors surface before torch, Ray and the model load.
     if cfg.engine == "reference":
+        from pt_ray.devices import choose_devices
+
+        choice = choose_devices(cfg, cluster_gpus=0)
+        logger.info(choice.describe())
+        cfg, device = choice.apply(cfg), choice.device
+        start(cfg)
         from pt_ray.runtime.reference import ReferenceTrainer
 
         trainer = ReferenceTrainer(cfg)
@@ -158,7 +168,8 @@ def fit(
     else:
         from pt_ray.service.trainer import run_on_ray
 
-        run = run_on_ray(cfg, run_dir, worker_env)
+        run = run_on_ray(cfg, run_dir, worker_env, on_start=start)
+        cfg, device = run.config, run.device
         metric_name, timeline = run.metric_name, run.timeline
         if on_epoch is not None:
             for rec in timeline:
@@ -172,6 +183,8 @@ def fit(
         metric_name=metric_name,
         timeline=timeline,
         config=cfg.model_dump(mode="json"),
+        device=device,
+        precision=cfg.precision,
         extra=extra,
     )
     _write_extras(cfg, summary, run_dir)

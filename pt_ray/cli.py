@@ -53,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = resolve_config(args.config, args.overrides)
+        # fit raises ConfigError too: from the preflight build, or a device choice the
+        # cluster cannot meet (pipeline.use_gpu=true without the GPUs).
+        result = fit(cfg, output_dir=args.output)
     except ConfigError as err:
         print(f"pt-ray: error: {err}", file=sys.stderr)
         return 2
-    result = fit(cfg, output_dir=args.output)
     print(
         f"done in {result.wall_time_s:.1f} s: final {result.metric_name} "
         f"{result.final_eval_metric:.4f}; summary at {result.run_dir / 'summary.json'}"

@@ -1,8 +1,9 @@
 """The run timeline and ``summary.json``: the contract benchmarks and reports read.
 
 Pure module. ``summary.json`` holds ``wall_time_s``, ``epochs``, ``metric_name``,
-``final_eval_metric``, ``timeline`` (one :class:`EpochRecord` per epoch) and ``config`` (the
-resolved RunConfig).
+``final_eval_metric``, ``timeline`` (one :class:`EpochRecord` per epoch), ``config`` (the
+resolved RunConfig), ``device`` (``cpu`` or ``cuda``: where the run trained) and ``precision``
+(the concrete compute precision: ``fp32``, ``bf16`` or ``fp16``, never ``auto``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def write_summary(
     metric_name: str,
     timeline: list[EpochRecord],
     config: dict[str, Any],
+    device: str,
+    precision: str,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``summary.json`` and return what was written."""
@@ -113,6 +116,8 @@ def write_summary(
         "final_eval_metric": timeline[-1].eval_metric if timeline else None,
         "timeline": [asdict(r) for r in timeline],
         "config": config,
+        "device": device,
+        "precision": precision,
         **(extra or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ TINY = [
     "--set", "freeze.alpha=0.5",
     "--set", "freeze.warmup_epochs=1",
 ]
-SUMMARY_KEYS = {"wall_time_s", "epochs", "metric_name", "final_eval_metric", "timeline", "config"}
+SUMMARY_KEYS = {"wall_time_s", "epochs", "metric_name", "final_eval_metric", "timeline", "config",
+                "device", "precision"}
 RECORD_KEYS = {
     "epoch", "num_frozen", "num_layers", "pipeline_length", "num_replicas", "num_microbatches",
     "throughput_samples_per_s", "epoch_time_s", "transition_time_s", "cache_hit_rate",
@@ -39,9 +40,11 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
 
     assert main(["train", *TINY, "--output", str(out)]) == 0
 
-    # config.yaml is the resolved default job with the overrides, and round-trips.
+    # config.yaml is the resolved default job with the overrides, and round-trips; the
+    # reference engine resolved the device and precision (auto) to one CPU process at fp32.
     cfg = load_config(out / "config.yaml")
-    assert cfg == load_config(default_config_path(), TINY[1::2])
+    assert cfg == load_config(default_config_path(),
+                              [*TINY[1::2], "pipeline.use_gpu=false", "precision=fp32"])
     assert cfg.name == "default" and cfg.data.name == "digits"  # the default job's fields
     assert (cfg.epochs, cfg.model.depth, cfg.data.num_samples) == (2, 2, 128)
 
@@ -49,6 +52,7 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     # The contract keys, plus the engine that produced the run.
     assert set(summary) == SUMMARY_KEYS | {"engine"}
     assert summary["engine"] == "reference"
+    assert (summary["device"], summary["precision"]) == ("cpu", "fp32")
     assert summary["epochs"] == 2 and summary["metric_name"] == "accuracy"
     assert summary["wall_time_s"] > 0
     assert summary["config"] == cfg.model_dump(mode="json")
@@ -65,11 +69,45 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     assert summary["final_eval_metric"] == timeline[-1]["eval_metric"]
 
     stdout = capsys.readouterr().out
+    assert stdout.splitlines()[0] == "devices: 1 CPU process (engine=reference), precision fp32"
     epoch_lines = [m for m in stdout.splitlines() if m.startswith("epoch ")]
     assert len(epoch_lines) == 2
     assert epoch_lines[0].startswith("epoch   1/2  loss ")
     assert "frozen  1/2" in epoch_lines[1]
     assert "final accuracy" in stdout and str(out / "summary.json") in stdout
+
+
+def test_explicit_precision_is_recorded(tmp_path):
+    out = tmp_path / "run"
+
+    assert main(["train", *TINY, "--set", "precision=bf16", "--output", str(out)]) == 0
+
+    assert json.loads((out / "summary.json").read_text())["precision"] == "bf16"
+    assert load_config(out / "config.yaml").precision == "bf16"
+
+
+def test_use_gpu_true_without_gpus_exits_2_in_one_line_before_anything_starts(
+        tmp_path, capsys, monkeypatch):
+    import ray
+
+    from pt_ray.service import trainer
+
+    # No GPUs, whether the run would start its own cluster or attach to one already up.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(trainer, "local_gpus", lambda: 0)
+    monkeypatch.setattr(trainer.ray, "cluster_resources", lambda: {"CPU": 4.0})
+    was_up = ray.is_initialized()
+    out = tmp_path / "run"
+
+    code = main(["train", *TINY, "--set", "engine=ray", "--set", "pipeline.use_gpu=true",
+                 "--output", str(out)])
+
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "pt-ray: error: pipeline.use_gpu=true needs 2 GPUs (one per worker) but the cluster "
+        "has 0; set pipeline.use_gpu=auto or false, or add GPUs\n")
+    assert ray.is_initialized() == was_up  # no embedded cluster was started for the check
+    assert not out.exists()
 
 
 def test_bad_override_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys):

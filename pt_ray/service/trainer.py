@@ -7,22 +7,25 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, ScalingConfig
 from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pt_ray.config import RunConfig
+from pt_ray.devices import DeviceChoice, choose_devices
 from pt_ray.service.cache import CacheActor, cache_name, object_store_report
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.worker import train_loop_per_worker
 from pt_ray.summary import EpochRecord
 
-__all__ = ["RayRun", "ensure_ray", "run_on_ray"]
+__all__ = ["RayRun", "cluster_devices", "ensure_ray", "run_on_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +40,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def local_gpus() -> int:
+    """GPUs this host gives an embedded cluster: those torch can use here
+    (``CUDA_VISIBLE_DEVICES`` honoured), so that the count is known before Ray starts."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _starts_embedded() -> bool:
+    """Whether :func:`ensure_ray` would start an embedded cluster (not attach to one)."""
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+
+
 def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
     """Attach to the cluster in ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or start an
     embedded local one sized for the run (and for at least ``min_cpus`` logical CPUs, e.g. a
-    Tune trial plus its run). Returns True when this call started Ray."""
+    Tune trial plus its run) with this host's :func:`local_gpus`. Returns True when this call
+    started Ray."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -58,6 +73,7 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
     ray.init(
         address="local",
         num_cpus=max(int(-(-need // 1)), os.cpu_count() or 1),
+        num_gpus=local_gpus(),
         # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls
         # (without it, that actor logs a warning every few seconds).
         include_dashboard=True,
@@ -94,6 +110,9 @@ class RayRun:
         restarts: worker-group restarts from a checkpoint during the run.
         cache: the activation cache at the end (bytes, objects, refused rows, ...) and the
             object store's figures (spilled bytes, ...); empty when the cache was off.
+        config: the configuration the workers ran, with ``pipeline.use_gpu`` and
+            ``precision`` resolved; None only for records made by hand.
+        device: ``cuda`` or ``cpu``.
     """
 
     timeline: list[EpochRecord]
@@ -103,10 +122,29 @@ class RayRun:
     run_id: str
     restarts: int
     cache: dict[str, Any] = field(default_factory=dict)
+    config: RunConfig | None = None
+    device: str = "cpu"
+
+
+def cluster_devices(cfg: RunConfig) -> DeviceChoice:
+    """Decide the run's devices and precision from the GPUs of the cluster the run will use
+    (the connected one, or the embedded one :func:`ensure_ray` would start, before it starts),
+    and log the choice in one line.
+
+    Raises:
+        ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs.
+    """
+    gpus = local_gpus() if _starts_embedded() else ray.cluster_resources().get("GPU", 0.0)
+    choice = choose_devices(cfg, gpus)
+    logger.info(choice.describe())
+    return choice
 
 
 def run_on_ray(
-    cfg: RunConfig, run_dir: Path, worker_env: dict[str, str] | None = None
+    cfg: RunConfig,
+    run_dir: Path,
+    worker_env: dict[str, str] | None = None,
+    on_start: Callable[[RunConfig], None] | None = None,
 ) -> RayRun:
     """Run ``cfg`` on Ray Train with one worker per device and a named controller actor.
 
@@ -114,20 +152,30 @@ def run_on_ray(
         cfg: the validated run configuration.
         run_dir: the run's output folder; Ray Train's storage goes under ``run_dir/ray``.
         worker_env: extra environment variables for the training workers.
+        on_start: called with the resolved configuration (devices and precision chosen)
+            before any actor or worker starts, e.g. to write ``config.yaml``.
 
     Raises:
+        ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs; raised
+            before an embedded cluster starts, or right after attaching to one.
         ray.train.TrainingFailedError: the run failed more often than
             ``pipeline.max_failures`` allows.
     """
+    choice = cluster_devices(cfg) if _starts_embedded() else None
     started = ensure_ray(cfg)
     try:
-        return _run(cfg, run_dir, worker_env or {})
+        choice = choice or cluster_devices(cfg)
+        cfg = choice.apply(cfg)
+        if on_start is not None:
+            on_start(cfg)
+        return _run(cfg, choice, run_dir, worker_env or {})
     finally:
         if started:
             ray.shutdown()
 
 
-def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
+def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path,
+         worker_env: dict[str, str]) -> RayRun:
     p = cfg.pipeline
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     controller = ControllerActor.options(name=controller_name(run_id)).remote(
@@ -139,8 +187,7 @@ def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
     if cfg.cache.mode != "off" and cfg.freeze.policy != "none":
         cache = CacheActor.options(name=cache_name(run_id)).remote(
             cfg.cache.budget_fraction, cfg.cache.budget_bytes)
-    gpus = ray.cluster_resources().get("GPU", 0)
-    use_gpu = gpus >= (p.min_workers or p.num_workers)
+    use_gpu = choice.use_gpu
     workers: int | tuple[int, int] = (
         p.num_workers if p.min_workers is None else (p.min_workers, p.num_workers)
     )
@@ -154,7 +201,9 @@ def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
             use_gpu=use_gpu,
             resources_per_worker={"CPU": p.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
         ),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=600),
+        # Ray 2.60 passes the backend string to init_process_group unchanged and, for a
+        # "cuda:nccl" entry as for "nccl", sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1.
+        torch_config=TorchConfig(backend=choice.backend, timeout_s=600),
         run_config=TrainRunConfig(
             name=run_id,
             storage_path=str((run_dir / "ray").resolve()),
@@ -165,8 +214,8 @@ def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
             worker_runtime_env={"env_vars": worker_env} if worker_env else None,
         ),
     )
-    logger.info("run %s: %s workers (%s) on Ray Train", run_id, workers,
-                "GPU/nccl" if use_gpu else "CPU/gloo")
+    logger.info("run %s: %s workers (%s, %s) on Ray Train", run_id, workers,
+                "GPU" if use_gpu else "CPU", choice.backend)
     cache_report: dict[str, Any] = {}
     try:
         result = trainer.fit()
@@ -181,7 +230,7 @@ def _run(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> RayRun:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
-                  run_id, summary["restarts"], cache_report)
+                  run_id, summary["restarts"], cache_report, config=cfg, device=choice.device)
 
 
 def _cache_report(cache) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import ray
 from ray import tune
 
 from pt_ray.config import ConfigError, RunConfig
+from pt_ray.devices import choose_devices
 from pt_ray.logs import setup_logging
 from pt_ray.service.trainer import ensure_ray
 from pt_ray.summary import ideal_speedup
@@ -134,7 +135,7 @@ def sweep(
 
     # One trial must fit: 2 workers x 1 CPU + the trial's sliver is 3 logical CPUs on a 2-core
     # machine (the sliver only waits).
-    started = ensure_ray(base, min_cpus=_need(base, gpus=0)["CPU"])
+    started = ensure_ray(base, min_cpus=_need(base, use_gpu=False)["CPU"])
     try:
         k, why = _size(base, len(variants), max_concurrent)
         logger.info("sweep of %d trials (%s) in %s: %d at a time (%s)", len(variants),
@@ -287,17 +288,17 @@ def _preflight(configs: Iterable[Mapping[str, Any]]) -> None:
             preflight(build_config(c))
 
 
-def _need(cfg: RunConfig, gpus: float) -> dict[str, float]:
+def _need(cfg: RunConfig, use_gpu: bool) -> dict[str, float]:
     p = cfg.pipeline
-    # Mirrors pt_ray.service.trainer: GPUs are used when the cluster has one per worker.
-    use_gpu = gpus >= (p.min_workers or p.num_workers)
     return trial_need(trial_cpus=TRIAL_CPUS, num_workers=p.num_workers,
                       cpus_per_worker=p.cpus_per_worker, gpus_per_worker=1.0 if use_gpu else 0.0,
                       engine=cfg.engine)
 
 
 def _size(cfg: RunConfig, num_trials: int, requested: int | None) -> tuple[int, str]:
-    need = _need(cfg, ray.cluster_resources().get("GPU", 0.0))
+    # Each trial's run makes the same choice (pt_ray.service.trainer); pipeline.use_gpu=true
+    # without the GPUs fails here, before any trial starts.
+    need = _need(cfg, choose_devices(cfg, ray.cluster_resources().get("GPU", 0.0)).use_gpu)
     free = ray.available_resources()
     try:
         return trial_concurrency(free, need, num_trials, requested)
@@ -382,8 +383,21 @@ def _finished_summary(run_dir: Path, cfg: Mapping[str, Any]) -> dict[str, Any] |
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    same = json.dumps(summary.get("config"), sort_keys=True) == json.dumps(cfg, sort_keys=True)
+    same = _same_config(summary.get("config"), cfg)
     return summary if same and summary.get("epochs") == cfg["epochs"] else None
+
+
+def _same_config(recorded: Any, wanted: Mapping[str, Any]) -> bool:
+    """Whether a run's recorded config is ``wanted``. A run records ``precision`` and
+    ``pipeline.use_gpu`` resolved, so ``auto`` in ``wanted`` matches what it resolved to."""
+    wanted = json.loads(json.dumps(wanted))
+    if isinstance(recorded, dict):
+        if wanted.get("precision") == "auto" and "precision" in recorded:
+            wanted["precision"] = recorded["precision"]
+        pipe, rec_pipe = wanted.get("pipeline") or {}, recorded.get("pipeline") or {}
+        if pipe.get("use_gpu") == "auto" and "use_gpu" in rec_pipe:
+            pipe["use_gpu"] = rec_pipe["use_gpu"]
+    return json.dumps(recorded, sort_keys=True) == json.dumps(wanted, sort_keys=True)
 
 
 def _figures(summary: Mapping[str, Any], path: Path) -> dict[str, Any]:

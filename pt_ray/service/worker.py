@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ray.train
+import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -67,10 +68,13 @@ def _fault_hook(rank: int):
     return hook
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available() and ray.train.get_context().get_local_world_size() > 0:
-        local = ray.train.get_context().get_local_rank()
-        return torch.device("cuda", local % torch.cuda.device_count())
+def _device(cfg: RunConfig) -> torch.device:
+    """The worker's device: the GPU Ray Train assigned it when the driver chose GPUs
+    (``pipeline.use_gpu`` arrives resolved to true or false), else the CPU."""
+    if cfg.pipeline.use_gpu is True:
+        # Ray Train shares CUDA_VISIBLE_DEVICES among a node's workers and maps each to its
+        # own GPU; its TorchConfig has already made that the current device.
+        return ray.train.torch.get_device()
     return torch.device("cpu")
 
 
@@ -90,7 +94,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
     adapter = build_model_for(cfg, splits)
     controller = RayController(config["controller"])
-    device = _device()
+    device = _device(cfg)
     controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
                      adapter.metric_name, "local-cpu" if device.type == "cpu" else _GPU_PROFILE,
                      splits.train.deterministic_transform)
