@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pt_ray.config import RunConfig
 from pt_ray.costplan import CostModelPlanner, cache_break_even
 from pt_ray.freeze import FreezePolicy, build_freeze_policy
-from pt_ray.hwprofile import load_hardware
+from pt_ray.hwprofile import HardwareProfile, load_hardware
 from pt_ray.plan import CostTable, LayerCost, Plan, Planner
 from pt_ray.summary import EpochRecord
 
@@ -300,7 +300,7 @@ def build_control_state(
     num_layers: int,
     num_workers: int,
     steps_per_epoch: int,
-    hardware: str = "local-cpu",
+    hardware: str | HardwareProfile = "local-cpu",
     deterministic_transform: bool = True,
 ) -> ControlState:
     """The controller's state for a run: its freeze policy and planner from the config.
@@ -311,7 +311,8 @@ def build_control_state(
         num_workers: N, the workers actually running (may differ from the config after an
             elastic restart).
         steps_per_epoch: optimizer steps per epoch at the configured batch size.
-        hardware: the profile ``pipeline.hardware=auto`` resolves to on these workers.
+        hardware: the profile ``pipeline.hardware=auto`` resolves to on these workers: a
+            shipped profile's name, or a profile built from the detected device.
         deterministic_transform: whether the training split's transform is deterministic
             (the activation cache is only valid then, unless the user opts in).
     """
@@ -324,7 +325,9 @@ def build_control_state(
                         pinned_length=None if p.elastic else k0)
     forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
     budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
-    hw_name = hardware if p.hardware == "auto" else p.hardware
+    if p.hardware != "auto":
+        hardware = p.hardware
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
 
     def make_planner(costs: CostTable) -> Planner | CostModelPlanner:
         if p.policy == "paper":
@@ -332,10 +335,10 @@ def build_control_state(
                            batch_policy=cfg.batch_policy, schedule=p.schedule,
                            initial_pipeline_length=k0, num_microbatches=forced_m,
                            memory_budget=budget,
-                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw_name),
+                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw),
                            elastic=p.elastic)
         planner = CostModelPlanner(
-            num_workers, costs, load_hardware(hw_name), batch_size=cfg.data.batch_size,
+            num_workers, costs, hw, batch_size=cfg.data.batch_size,
             batch_policy=cfg.batch_policy, schedule=p.schedule, initial_pipeline_length=k0,
             num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
             cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
@@ -349,7 +352,8 @@ def build_control_state(
     return ControlState(num_workers, policy, make_planner, decision_label=label)
 
 
-def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw_name: str) -> int | None:
+def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable,
+                      hw: HardwareProfile) -> int | None:
     """The paper policy's cache threshold: every frozen depth (``on``), ``cache.min_frozen``,
     or where a cache read first beats recomputing the prefix (``auto``)."""
     if mode == "off":
@@ -358,7 +362,7 @@ def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw_name: str)
         return 1
     if cfg.cache.min_frozen is not None:
         return cfg.cache.min_frozen
-    even = cache_break_even(costs, load_hardware(hw_name))
+    even = cache_break_even(costs, hw)
     if even is not None:
         logger.info("cache.mode=auto: the cache turns on from %d frozen blocks, where a read "
                     "beats the prefix's forward", even)

@@ -8,6 +8,7 @@ numbers come from (spec sheets, or a fit to measurements).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -17,7 +18,8 @@ import yaml
 from pt_ray.plan import CostTable
 from pt_ray.shapes import ModelShape, layer_shapes
 
-__all__ = ["HardwareProfile", "calibrate", "fit_efficiency", "list_hardware", "load_hardware"]
+__all__ = ["HardwareProfile", "calibrate", "fit_efficiency", "list_hardware", "load_hardware",
+           "profile_for_gpu"]
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 _MAY_BE_ZERO = ("per_microbatch_overhead_s", "group_setup_s", "intra_node_latency",
@@ -132,6 +134,84 @@ def load_hardware(name_or_path: str | Path) -> HardwareProfile:
         return HardwareProfile(**data)
     except TypeError as err:
         raise ValueError(f"{path}: {err}") from None
+
+
+# Spec-sheet figures of known GPUs, dense (no sparsity): name pattern (lower case), bf16 peak,
+# fp32 peak (no tensor cores), memory bandwidth, NVLink bandwidth per direction per GPU on the
+# SXM board (None: PCIe-only part), host PCIe bandwidth per direction (x16 Gen5 / Gen4, what is
+# usable in practice). First match wins, so the specific patterns come first.
+_GPU_PARTS: tuple[tuple[str, float, float, float, float | None, float], ...] = (
+    (r"\bh200\b", 989e12, 67e12, 4.8e12, 450e9, 50e9),
+    (r"\bh100\b.*\bpcie\b", 756e12, 51e12, 2.0e12, None, 50e9),
+    (r"\bh100\b", 989e12, 67e12, 3.35e12, 450e9, 50e9),
+    (r"\ba100\b.*\bpcie\b", 312e12, 19.5e12, 1.935e12, None, 25e9),
+    (r"\ba100\b", 312e12, 19.5e12, 2.039e12, 300e9, 25e9),
+    (r"\bl40s\b", 362e12, 91.6e12, 864e9, None, 25e9),
+    (r"\bl4\b", 121e12, 30.3e12, 300e9, None, 25e9),
+)
+# An unknown part: about a T4 (65 TFLOP/s fp16, 8.1 fp32, 320 GB/s) rounded down, on PCIe 3.0.
+_UNKNOWN_GPU = ("", 50e12, 8e12, 300e9, None, 12e9)
+
+
+def profile_for_gpu(name: str, memory_bytes: int, count_on_node: int,
+                    precision: str = "bf16") -> HardwareProfile:
+    """A profile for the GPU a worker detected (``pipeline.hardware=auto`` on GPU workers).
+
+    The planner needs the device's memory, its links and its overheads; the per-layer costs
+    profiled on the device replace the compute figures, which are kept honest anyway:
+
+    1. Known parts (H200, H100, A100, L40S, L4; matched in ``name``, case-insensitive) get
+       their spec-sheet peaks: ``device_flops`` is the dense bf16 tensor-core peak (989e12 for
+       H100/H200 SXM, 312e12 for A100), or the plain fp32 peak when ``precision="fp32"``.
+       (An H100 NVL takes the SXM figures.) Any other name gets a conservative default: 50e12 (16-bit) or 8e12 (fp32) FLOP/s and
+       300 GB/s, about a T4 rounded down.
+    2. Links: an H100/H200/A100 whose name says neither ``PCIe`` nor ``NVL`` is taken to be an
+       SXM board on NVSwitch (NVLink 4: 450 GB/s, NVLink 3: 300 GB/s per direction); every
+       other part, and unknown ones, talk over PCIe (50, 25 or 12 GB/s per direction for
+       Gen5, Gen4, or an unknown part taken as Gen3). The object-store cache reads over the
+       same PCIe link.
+    3. Between nodes nothing is known here: one 100 Gb/s NIC per node (12.5 GB/s, 20 us) is
+       assumed, well below the 8-NIC nodes of the shipped ``a100-80g-nvlink`` and
+       ``h100-nvlink`` profiles. Name one of those (or a YAML file) in ``pipeline.hardware``
+       to plan with better figures.
+    4. Efficiency (0.4), per-micro-batch overhead (0.3 ms) and regrouping cost (2 s) are the
+       shipped GPU profiles' assumptions.
+
+    Args:
+        name: the device name, as ``torch.cuda.get_device_properties(d).name`` gives it
+            (``"NVIDIA H200"``, ``"NVIDIA A100-SXM4-80GB"``).
+        memory_bytes: the device's total memory, bytes.
+        count_on_node: GPU workers on this node (devices per node for the link model).
+        precision: the run's concrete precision (``fp32``, ``bf16`` or ``fp16``); sets the
+            peak and the activation bytes per element.
+    """
+    low = name.lower()
+    part = next((p for p in _GPU_PARTS if re.search(p[0], low)), _UNKNOWN_GPU)
+    _, bf16, fp32, mem_bw, nvlink, pcie = part
+    if re.search(r"\b(pcie|nvl)\b", low):
+        nvlink = None
+    half = precision in ("bf16", "fp16")
+    known = part is not _UNKNOWN_GPU
+    return HardwareProfile(
+        name=name,
+        device_flops=bf16 if half else fp32,
+        efficiency=0.4,
+        device_memory_bytes=float(memory_bytes),
+        memory_bandwidth=mem_bw,
+        devices_per_node=max(1, count_on_node),
+        intra_node_bandwidth=nvlink or pcie,
+        intra_node_latency=3e-6 if nvlink else 1e-5,
+        inter_node_bandwidth=12.5e9,
+        inter_node_latency=2e-5,
+        per_microbatch_overhead_s=3e-4,
+        cache_bandwidth=pcie,
+        activation_bytes_per_element=2 if half else 4,
+        group_setup_s=2.0,
+        description=(f"{count_on_node} x {name}, {memory_bytes / 2**30:.0f} GiB, "
+                     f"{'NVLink' if nvlink else 'PCIe'}; {precision}; "
+                     f"{'spec-sheet peaks' if known else 'unknown part: conservative peaks'}, "
+                     f"detected by the worker"),
+    )
 
 
 def calibrate(measured: CostTable, shape: ModelShape, base: HardwareProfile,

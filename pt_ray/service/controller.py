@@ -17,6 +17,7 @@ import ray
 from pt_ray.logs import setup_logging
 from pt_ray.config import RunConfig
 from pt_ray.control import ControlState, build_control_state
+from pt_ray.hwprofile import HardwareProfile
 from pt_ray.plan import CostTable, Plan
 from pt_ray.summary import EpochRecord
 
@@ -52,12 +53,13 @@ class ControllerActor:
         num_workers: int,
         steps_per_epoch: int,
         metric_name: str,
-        hardware: str,
+        hardware: str | HardwareProfile,
         deterministic_transform: bool = True,
     ) -> None:
         """Create the decision state on first call (idempotent; every rank calls it). A call with
         a different worker count (an elastic restart) replaces it; ``resume`` then restores.
-        ``hardware`` is what ``pipeline.hardware=auto`` means on the workers' devices;
+        ``hardware`` is what ``pipeline.hardware=auto`` means on the workers' devices (a
+        profile name, or a profile built from the detected GPU; the first call's wins);
         ``deterministic_transform`` whether the training data may be cached."""
         self.metric_name = metric_name
         if self.state is None or self.state.num_workers != num_workers:
@@ -123,7 +125,7 @@ class RayController:
         num_workers: int,
         steps_per_epoch: int,
         metric_name: str,
-        hardware: str,
+        hardware: str | HardwareProfile,
         deterministic_transform: bool = True,
     ) -> None:
         self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name, hardware,

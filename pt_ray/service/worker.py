@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pt_ray.logs import setup_logging
 from pt_ray.config import RunConfig
 from pt_ray.data.registry import build_dataset
+from pt_ray.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, write_meta
 from pt_ray.runtime.engine import ElasticWorker
 from pt_ray.runtime.reference import build_model_for
@@ -45,10 +46,6 @@ seconds so that Ray Train's controller, which collects reports when it polls the
 registered the previous epoch's checkpoint."""
 
 _FAULT_DELAY_S = 4.0
-
-# What pipeline.hardware=auto means on GPU workers: the measured per-layer costs replace the
-# profile's compute figures, so only its links, overheads and memory matter.
-_GPU_PROFILE = "a100-80g-nvlink"
 
 
 def _fault_hook(rank: int):
@@ -78,6 +75,20 @@ def _device(cfg: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def _hardware(cfg: RunConfig, device: torch.device, rank: int) -> str | HardwareProfile:
+    """What ``pipeline.hardware=auto`` means on this worker: ``local-cpu`` on CPUs, a profile
+    of the detected GPU (its name, memory and links; measured per-layer costs replace its
+    compute figures) on GPUs."""
+    if device.type != "cuda":
+        return "local-cpu"
+    props = torch.cuda.get_device_properties(device)
+    hw = profile_for_gpu(props.name, props.total_memory,
+                         ray.train.get_context().get_local_world_size(), cfg.precision)
+    if rank == 0 and cfg.pipeline.hardware == "auto":
+        logger.info("hardware profile from the device: %s", hw.description)
+    return hw
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
@@ -96,7 +107,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     controller = RayController(config["controller"])
     device = _device(cfg)
     controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
-                     adapter.metric_name, "local-cpu" if device.type == "cpu" else _GPU_PROFILE,
+                     adapter.metric_name, _hardware(cfg, device, rank),
                      splits.train.deterministic_transform)
     store = RayStore(config["cache"]) if config.get("cache") else None
     # Rank 0 shows each epoch's progress (plain lines: a Ray worker's stdout is no terminal).
