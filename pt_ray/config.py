@@ -160,8 +160,8 @@ class PipelineConfig(_Section):
     pipeline that fits; M from the replica batch)."""
     hardware: str = "auto"
     """Hardware profile for the cost model's links, overheads and memory (a name from
-    ``pt-ray plan --list`` or a YAML path); ``auto``: ``local-cpu`` on CPU workers,
-    ``a100-80g-nvlink`` on GPUs."""
+    ``pt-ray plan --list`` or a YAML path); ``auto``: ``local-cpu`` on CPU workers, and on GPUs
+    a profile of the detected device (``pt_ray.hwprofile.profile_for_gpu``)."""
     min_workers: int | None = Field(default=None, gt=0)
     """Elastic training: start (or restart after a failure) with as few as this many workers
     when the cluster has no room for ``num_workers``; the planner re-plans for the N it gets.
