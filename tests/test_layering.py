@@ -50,3 +50,34 @@ def test_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch.distributed as dist\nfrom ray import train\n")
     assert offending(imported_modules(bad), ("ray", "torch")) == {"torch.distributed", "ray"}
+
+
+# torch.distributed calls that move tensors or objects: only pt_ray/runtime/comm.py makes them,
+# on the groups' device (the pipelining schedules make their own, with the stage's tensors).
+_COMMUNICATION = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+    "reduce", "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "barrier", "monitored_barrier", "all_gather_object", "send_object_list", "recv_object_list",
+    "broadcast_object_list", "gather_object", "scatter_object_list", "all_to_all",
+    "all_to_all_single",
+}
+
+
+def communication_calls(path: Path) -> list[str]:
+    """``dist.<call>`` / ``torch.distributed.<call>`` calls of communication functions."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "torch.distributed") and node.func.attr in _COMMUNICATION:
+                found.append(f"{path.name}:{node.lineno} {owner}.{node.func.attr}")
+    return found
+
+
+def test_only_the_comm_module_communicates():
+    files = [p for folder in ("runtime", "service") for p in sorted((PKG / folder).rglob("*.py"))
+             if p.name != "comm.py"]
+    assert [c for p in files for c in communication_calls(p)] == []
+    # The checker sees a real call.
+    assert communication_calls(PKG / "runtime" / "comm.py")

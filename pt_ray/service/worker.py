@@ -21,7 +21,6 @@ from typing import Any
 import ray.train
 import ray.train.torch
 import torch
-import torch.distributed as dist
 
 from pt_ray.logs import setup_logging
 from pt_ray.config import RunConfig
@@ -135,7 +134,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             meta = read_meta(Path(directory))
             if rank == 0:
                 controller.resume(meta["controller"], meta["next_decision"])
-            dist.barrier()
+            worker.comm.barrier()
             plan = controller.plan_for(meta["next_decision"])
             first_epoch = worker.restore(Path(directory), plan)
         if rank == 0:
