@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The prepared GPU check: pt-ray's torch runtime on one CUDA GPU, without Ray.
+#
+#   bench/gpu_check.sh [--dry-run] [--out DIR]
+#
+# 1. The gpu-marked tests (tests/test_gpu.py): the engine as one rank of a pure NCCL group
+#    (which rejects CPU tensors) through steps, freeze transitions, evaluation and epoch ends,
+#    in bf16, fp16 and fp32, for a ViT and a BERT; fp32 on the GPU against the CPU reference;
+#    the activation cache holding CUDA activations in bf16, and cache on = cache off in fp32.
+# 2. bench/gpu_speed.py: a ViT-B/16 in bf16 at 224 px, samples/s with nothing frozen, with the
+#    paper's freeze timeline (alpha 1/3) and with freezing plus the cache, each as a ratio to
+#    no freezing, and the share of the GPU's bf16 peak the no-freeze step reaches.
+#
+# It needs python3 with torch (CUDA), timm, transformers, scikit-learn, pyyaml, pytest and
+# pydantic 2; not Ray. It prints one table last and writes DIR/gpu_check.json (with the
+# tests' log and the speed table's JSON beside it). About 3 minutes on an H200.
+# --dry-run runs the same steps on the CPU with gloo and a tiny model (tests/test_bench.py runs
+# it, so the check cannot rot on machines without a GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=bench/out/gpu
+dry=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --out) out="$2"; shift ;;
+    *) echo "usage: bench/gpu_check.sh [--dry-run] [--out DIR]" >&2; exit 2 ;;
+  esac
+  shift
+done
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+mkdir -p "$out"
+speed_args=()
+if [ "$dry" = 1 ]; then
+  export PT_RAY_GPU_TESTS_ON_CPU=1
+  speed_args=(--dry-run)
+fi
+
+"$py" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts= \
+  --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+"$py" bench/gpu_speed.py "${speed_args[@]}" --out "$out" 2>&1 | tee "$out/gpu_speed.log"
+speed_rc=${PIPESTATUS[0]}
+
+"$py" - "$out" "$tests_rc" "$speed_rc" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, tests_rc, speed_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+tests = {"rc": tests_rc, "passed": 0, "failed": 0, "skipped": 0, "failures": []}
+try:
+    for case in ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"):
+        name = case.get("name")
+        if case.find("failure") is not None or case.find("error") is not None:
+            tests["failed"] += 1
+            tests["failures"].append(name)
+        elif case.find("skipped") is not None:
+            tests["skipped"] += 1
+        else:
+            tests["passed"] += 1
+except (OSError, ET.ParseError) as err:
+    tests["failures"].append(f"no test report: {err}")
+speed = json.loads((out / "gpu_speed.json").read_text()) if speed_rc == 0 else None
+(out / "gpu_check.json").write_text(json.dumps({"tests": tests, "speed": speed}, indent=1))
+print()
+print(f"gpu tests: {tests['passed']} passed, {tests['failed']} failed, "
+      f"{tests['skipped']} skipped" + (f" ({', '.join(tests['failures'])})"
+                                       if tests["failures"] else ""))
+if speed is None:
+    print(f"speed table: failed (exit {speed_rc}); see {out}/gpu_speed.log")
+else:
+    sys.path.insert(0, "bench")
+    from gpu_speed import table
+    print(table(speed))
+print(f"written: {out}/gpu_check.json")
+EOF
+[ "$tests_rc" = 0 ] && [ "$speed_rc" = 0 ]
