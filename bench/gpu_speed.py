@@ -4,9 +4,11 @@ freeze timeline, and with freezing plus the activation cache.
 Runs the torch runtime directly (one rank, an NCCL group of world size 1; no Ray), so it works on
 a machine that has CUDA, torch, timm and pydantic but not Ray. Images are synthetic and made on
 the GPU (class templates plus noise), so no input pipeline is measured. Every arm trains the
-same steps from the same seed; the table gives samples/s over the training loops, each arm's
-ratio to the no-freeze arm, the ideal bound of the freeze timeline, and the share of the GPU's
-bf16 peak the no-freeze step reaches (model FLOPs counted by torch's FlopCounterMode).
+same steps from the same seed, beside the loop a user would write for one GPU instead (plain
+PyTorch: the same model, optimizer, schedule and clipping under autocast); the table gives
+samples/s over the training loops, each arm's ratio to the engine's no-freeze arm and to the
+plain loop, the ideal bound of the freeze timeline, and the share of the GPU's bf16 peak the
+no-freeze step reaches (model FLOPs counted by torch's FlopCounterMode).
 
     python bench/gpu_speed.py --out bench/out/gpu            # on a CUDA machine
     python bench/gpu_speed.py --dry-run --out /tmp/gpu-dry   # tiny model on the CPU (gloo)
@@ -41,18 +43,26 @@ DRY = {"image": 32, "patch": 8, "depth": 4, "width": 64, "heads": 4, "batch": 8,
        "steps": 3, "epochs": 4, "eval": 16, "classes": 10}
 
 
-def synthetic_images(n: int, size: int, classes: int, device: torch.device, seed: int):
-    """``n`` images ``[n, 3, size, size]`` of class templates plus noise, made on ``device``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def make_splits(shape: dict, device: torch.device) -> DatasetSplits:
+    """Train and eval images ``[n, 3, size, size]`` made on ``device``: one smooth template per
+    class plus fresh noise per image (both splits share the templates)."""
+    size, classes = shape["image"], shape["classes"]
+    gen = torch.Generator(device=device).manual_seed(0)
     coarse = torch.randn(classes, 3, 4, 4, generator=gen, device=device)
     templates = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear")
-    labels = torch.arange(n, device=device) % classes
-    x = 0.5 * templates[labels] + torch.randn(n, 3, size, size, generator=gen, device=device)
-    return TensorSampleDataset((x,), labels, ("pixel_values",))
+
+    def draw(n: int) -> TensorSampleDataset:
+        labels = torch.randperm(n, generator=gen, device=device) % classes
+        noise = torch.randn(n, 3, size, size, generator=gen, device=device)
+        return TensorSampleDataset((0.5 * templates[labels] + noise,), labels, ("pixel_values",))
+
+    return DatasetSplits(name="synthetic_image", task="classification",
+                         train=draw(shape["batch"] * shape["steps"]), eval=draw(shape["eval"]),
+                         num_classes=classes, image_size=size, in_chans=3)
 
 
-def run_arm(shape: dict, arm: str, device: torch.device, precision: str) -> dict:
-    """Train one arm; returns its timeline and timings."""
+def arm_config(shape: dict, arm: str, precision: str):
+    """The run configuration of an engine arm (and of the plain loop's optimizer)."""
     freeze = ({"policy": "none"} if arm == "no freeze" else
               {"policy": "schedule", "alpha": 1 / 3, "warmup_epochs": 1})
     cfg = build_config({
@@ -70,12 +80,14 @@ def run_arm(shape: dict, arm: str, device: torch.device, precision: str) -> dict
         "epochs": shape["epochs"],
         "precision": precision,
     })
-    n = shape["batch"] * shape["steps"]
-    splits = DatasetSplits(
-        name="synthetic_image", task="classification",
-        train=synthetic_images(n, shape["image"], shape["classes"], device, 1),
-        eval=synthetic_images(shape["eval"], shape["image"], shape["classes"], device, 2),
-        num_classes=shape["classes"], image_size=shape["image"], in_chans=3)
+    return cfg
+
+
+def run_arm(shape: dict, arm: str, device: torch.device, precision: str,
+            splits: DatasetSplits) -> dict:
+    """Train one engine arm; returns its timeline and timings."""
+    cfg = arm_config(shape, arm, precision)
+    n = len(splits.train)
     torch.manual_seed(0)
     adapter = build_model_for(cfg, splits)
     control = build_control_state(cfg, adapter.num_layers, 1, shape["steps"])
@@ -100,6 +112,69 @@ def run_arm(shape: dict, arm: str, device: torch.device, precision: str) -> dict
         "ideal_bound": ideal_speedup(timeline, cached=arm == "freeze + cache"),
         "epoch_time_s": [round(r.epoch_time_s, 4) for r in timeline],
     }
+
+
+def run_plain(shape: dict, device: torch.device, precision: str, splits: DatasetSplits) -> dict:
+    """What a user would write for one GPU instead: the same timm model, AdamW (decay on
+    matrices only), the same learning-rate schedule and clipping, autocast in ``precision``,
+    a fresh permutation each epoch, and the whole eval set scored after each epoch."""
+    from pt_ray.runtime.optim import lr_factor
+
+    cfg = arm_config(shape, "no freeze", precision)
+    torch.manual_seed(0)
+    model = build_model_for(cfg, splits).model.to(device)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.optimizer.lr)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    (x,), y = splits.train.inputs, splits.train.target
+    (xe,), ye = splits.eval.inputs, splits.eval.target
+    n, b, total = len(y), shape["batch"], shape["steps"] * shape["epochs"]
+    epoch_times, accuracy, step = [], 0.0, 0
+    t_start = time.perf_counter()
+    for _ in range(shape["epochs"]):
+        model.train()
+        order = torch.randperm(n, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        for s in range(shape["steps"]):
+            for g in opt.param_groups:
+                g["lr"] = cfg.optimizer.lr * lr_factor(step / total, cfg.optimizer)
+            idx = order[s * b:(s + 1) * b]
+            with torch.autocast(device.type, dtype=dtype):
+                out = model(x[idx])
+            loss = torch.nn.functional.cross_entropy(out.float(), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
+            opt.step()
+            step += 1
+        _sync(device)
+        epoch_times.append(time.perf_counter() - t0)
+        model.eval()
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+            correct = sum(int((model(xe[i:i + b]).argmax(-1) == ye[i:i + b]).sum())
+                          for i in range(0, len(ye), b))
+        accuracy = correct / len(ye)
+    train_s = sum(epoch_times)
+    return {
+        "arm": "plain PyTorch",
+        "samples_per_s": n * shape["epochs"] / train_s,
+        "train_time_s": train_s,
+        "wall_time_s": time.perf_counter() - t_start,
+        "frozen_by_epoch": [0] * shape["epochs"],
+        "cache_hit_rate_by_epoch": [0.0] * shape["epochs"],
+        "final_eval_accuracy": accuracy,
+        "final_train_loss": float(loss.detach()),
+        "ideal_bound": 1.0,
+        "epoch_time_s": [round(t, 4) for t in epoch_times],
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def step_flops(shape: dict, device: torch.device, precision: str) -> float:
@@ -151,17 +226,21 @@ def main(argv: list[str] | None = None) -> dict:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/rdzv",
                                 rank=0, world_size=1, timeout=timedelta(seconds=300))
         try:
+            splits = make_splits(shape, device)
             # Warm-up (kernel selection, allocator, autotuning): one short run, discarded.
-            run_arm({**shape, "epochs": 1, "steps": min(shape["steps"], 5)}, "no freeze",
-                    device, precision)
-            rows = [run_arm(shape, arm, device, precision)
+            run_arm({**shape, "epochs": 1}, "no freeze", device, precision, splits)
+            rows = [run_arm(shape, arm, device, precision, splits)
                     for arm in ("no freeze", "freeze", "freeze + cache")]
+            rows.append(run_plain(shape, device, precision, splits))
         finally:
             dist.destroy_process_group()
     base = rows[0]["samples_per_s"]
     for row in rows:
         row["ratio_to_no_freeze"] = row["samples_per_s"] / base
         row["of_ideal_bound"] = row["ratio_to_no_freeze"] / row["ideal_bound"]
+    plain = rows[-1]["samples_per_s"]
+    for row in rows:
+        row["ratio_to_plain"] = row["samples_per_s"] / plain
     flops = step_flops(shape, device, precision)
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)",
@@ -191,10 +270,11 @@ def table(result: dict) -> str:
              f"{result['shape']['image']} px, batch {result['shape']['batch']}, "
              f"{result['shape']['steps']} steps x {result['shape']['epochs']} epochs per arm",
              f"{'arm':<16}{'samples/s':>11}{'ratio':>8}{'ideal':>8}{'of ideal':>10}"
-             f"{'train s':>9}{'accuracy':>10}  frozen by epoch"]
+             f"{'vs plain':>9}{'train s':>9}{'accuracy':>10}  frozen by epoch"]
     for r in result["rows"]:
         lines.append(f"{r['arm']:<16}{r['samples_per_s']:>11,.0f}{r['ratio_to_no_freeze']:>7.2f}x"
                      f"{r['ideal_bound']:>7.2f}x{r['of_ideal_bound']:>10.0%}"
+                     f"{r['ratio_to_plain']:>8.2f}x"
                      f"{r['train_time_s']:>9.2f}{r['final_eval_accuracy']:>10.3f}  "
                      f"{r['frozen_by_epoch']}")
     if "share_of_datasheet_peak" in result:

@@ -27,7 +27,8 @@ def test_gpu_check_dry_run_passes_and_writes_its_table(tmp_path):
     tests = report["tests"]
     assert tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"] >= 9, tests
     rows = {r["arm"]: r for r in report["speed"]["rows"]}
-    assert list(rows) == ["no freeze", "freeze", "freeze + cache"]
+    assert list(rows) == ["no freeze", "freeze", "freeze + cache", "plain PyTorch"]
+    assert rows["plain PyTorch"]["ratio_to_plain"] == 1.0
     assert rows["no freeze"]["ratio_to_no_freeze"] == 1.0
     assert rows["no freeze"]["frozen_by_epoch"] == [0, 0, 0, 0]
     # The paper's schedule at alpha 1/3 on 4 blocks: ceil(4 (1 - (2/3)^e)), at most L - 1.
@@ -35,4 +36,4 @@ def test_gpu_check_dry_run_passes_and_writes_its_table(tmp_path):
     assert rows["freeze + cache"]["cache_hit_rate_by_epoch"][-1] == 1.0
     assert all(r["samples_per_s"] > 0 for r in rows.values())
     # The last lines are the table a person reads.
-    assert "gpu tests: " in proc.stdout and "freeze + cache" in proc.stdout.splitlines()[-2]
+    assert "gpu tests: " in proc.stdout and "plain PyTorch" in proc.stdout.splitlines()[-2]

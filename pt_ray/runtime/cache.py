@@ -52,12 +52,14 @@ H = TypeVar("H")
 
 
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """A CPU numpy copy of ``t`` with its torch dtype's name (bfloat16 as raw 16-bit words)."""
+    """A CPU numpy copy of ``t`` with its torch dtype's name (bfloat16 as raw 16-bit words).
+    A tensor on another device is copied to the host once (that copy is the result)."""
+    on_host = t.device.type == "cpu"
     t = t.detach().cpu().contiguous()
     name = str(t.dtype).removeprefix("torch.")
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return t.numpy().copy(), name
+    return (t.numpy().copy() if on_host else t.numpy()), name
 
 
 def from_numpy(a: np.ndarray, dtype: str, copy: bool = True) -> torch.Tensor:

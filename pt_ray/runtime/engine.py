@@ -323,6 +323,8 @@ class ElasticWorker:
             loss_sum += self.train_step(order[offset:offset + size])
             offset += size
             steps += 1
+        if self.device.type == "cuda":  # the epoch's kernels, not only their launches
+            torch.cuda.synchronize(self.device)
         epoch_time = time.perf_counter() - t0
         # After this reduction every rank's cache writes have landed.
         cache = self.comm.reduce_values(epoch_counters(self.prefix))
