@@ -4,7 +4,7 @@ activation cache, and (``--ablation``) the paper's ablation arms.
 Both arms run the same job (same engine, data, seed and epochs) inside one local Ray cluster
 started here, so cluster start-up is paid once and excluded from both. Arms alternate across
 repeats (baseline, pt-ray, then pt-ray, baseline, ...; ``--order abab`` keeps one order) to
-spread machine noise over both. The figures are ratios (DESIGN.md, "Measuring"); absolute
+spread machine noise over both. The figures are ratios; absolute
 times on a shared 2-core machine are not.
 
 Arms:
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                                "same plan (nothing frozen yet); 1 on a quiet machine",
             "speedup_adjusted_for_same_plan": "speedup / same_plan_ratio per repeat, median: a "
                                               "heuristic that assumes a run-wide slowdown",
-            "ideal_bound": "DESIGN.md: active block 3 units (fwd+bwd), frozen block 1 (fwd), "
+            "ideal_bound": "ideal bound: active block 3 units (fwd+bwd), frozen block 1 (fwd), "
                            "0 for cache hits; no-freeze cost / this timeline's cost",
             "fraction_of_bound": "speedup / ideal_bound",
             "accuracy_diff_points": "100 * (pt-ray accuracy - baseline accuracy), medians",

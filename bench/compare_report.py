@@ -1,5 +1,5 @@
 """Figures, table and plot of ``bench/compare.py``: from the runs' timelines to the speedup,
-the ideal bound of DESIGN.md, the fraction of it reached and the accuracy difference."""
+the ideal bound of the freeze timeline, the fraction of it reached and the accuracy difference."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ ARM_LABELS = {
 
 
 def epoch_bound_cost(rec: dict[str, Any]) -> float:
-    """One epoch's cost per sample in DESIGN.md's units: an active block 3 (forward 1 +
+    """One epoch's cost per sample in the ideal bound's units: an active block 3 (forward 1 +
     backward 2), a frozen one 1 (its forward), scaled by the fraction of frozen-prefix outputs
     the cache did not serve."""
     n, total = rec["num_frozen"], rec["num_layers"]
@@ -352,7 +352,7 @@ def table(data: dict[str, Any]) -> str:
         f"speedup of fastest runs (min / min)      {s['speedup_of_minimums']:.2f}x",
         f"speedup, each epoch's fastest repeat     {s['speedup_best_epochs']:.2f}x",
         f"wall-time ratio                          {s['wall_time_ratio']:.2f}x",
-        f"ideal bound (DESIGN.md)                  {s['ideal_bound']:.2f}x"
+        f"ideal bound                              {s['ideal_bound']:.2f}x"
         f"   (uncached {s['ideal_bound_uncached']:.2f}, fully cached "
         f"{s['ideal_bound_cached']:.2f})",
         f"fraction of bound                        {s['fraction_of_bound']:.0%}"

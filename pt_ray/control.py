@@ -344,7 +344,7 @@ def build_control_state(
             cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
         )
         if budget is None:
-            # DESIGN.md: by default a stage may hold what the largest stage held at the start.
+            # By default (as the paper) a stage may hold what the largest stage held at the start.
             planner.memory_budget = max(planner.stage_memory(planner.initial_plan()))
         return planner
 

@@ -82,7 +82,7 @@ def format_epoch(rec: EpochRecord, epochs: int, metric_name: str) -> str:
 
 
 def ideal_speedup(timeline: list[EpochRecord] | list[dict], cached: bool = False) -> float:
-    """DESIGN.md's ideal bound for a freeze timeline against no freezing.
+    """The ideal bound for a freeze timeline against no freezing.
 
     Per sample an active block costs forward + backward (taken as 1 + 2 = 3 units) and a frozen
     one its forward (1 unit), or nothing when the cache serves it. The bound is the ratio of the

@@ -36,7 +36,7 @@ DEFINITIONS = {
     "metric_diff_points": "100 * (final metric - the baseline's final metric)",
     "pareto": "no other finished trial has both a speedup_train and a final metric at least as "
               "high, one of them higher",
-    "ideal_speedup": "DESIGN.md's bound from the freeze timeline (active block 3 units, frozen "
+    "ideal_speedup": "the ideal bound from the freeze timeline (active block 3 units, frozen "
                      "1, or 0 when the cache served the run)",
 }
 

@@ -1,4 +1,4 @@
-"""DESIGN.md's layering: the pure core never imports torch.distributed or ray; the torch runtime
+"""The layering: the pure core never imports torch.distributed or ray; the torch runtime
 never imports ray."""
 
 import ast

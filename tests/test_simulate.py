@@ -32,7 +32,7 @@ IMAGENET = 1_281_167
 
 
 def paper_run(**kw):
-    """The paper's Table 1 ImageNet run as the 2021 code ran it (DESIGN.md; notes section 6):
+    """The paper's Table 1 ImageNet run as the 2021 code ran it (its published logs and figures):
     16 devices, K0 = 8, GPipe, 400 samples per pipeline, alpha = 1/3 with the 2021 schedule
     (every block may freeze), 10 epochs, the 2021 planner (parameter counts, M table) and
     runtime (serial prefix, cache from 3 frozen blocks)."""

@@ -5,7 +5,7 @@ plain ``init_process_group``). At each decision point it asks the controller for
 force; when the plan's generation changes, it migrates state, rebuilds its process groups, its
 stage and its schedule, and goes on at the same step as every other rank.
 
-One step (DESIGN.md, "How one run flows"):
+One step:
 
 1. the global sampler gives the step's indices; replica ``r`` of ``R`` takes its contiguous
    slice (``B / R`` samples under ``fixed_global``);

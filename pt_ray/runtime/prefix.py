@@ -1,4 +1,4 @@
-"""Stage 0's frozen prefix served from the activation cache (DESIGN.md, AutoCache).
+"""Stage 0's frozen prefix served from the activation cache (AutoCache).
 
 Torch runtime layer. Before the pipeline schedule runs, stage 0 turns its replica batch's sample
 indices into the frozen prefix's output (the paper's ``pipe(frozen(x))``, with the cache). For

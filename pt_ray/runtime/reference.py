@@ -1,7 +1,7 @@
 """The single-process reference trainer: the numerical oracle for the distributed engine.
 
 One process, no Ray, no process groups. It trains any adapter with a freeze policy exactly as
-DESIGN.md specifies, so that a pipeline x data-parallel run on the same data order must end
+the README describes, so that a pipeline x data-parallel run on the same data order must end
 with the same parameters:
 
 1. at each decision point (epoch start, or every k steps) the policy sees the per-block gradient
