@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pt_ray.devices import resolve_precision as resolve_name
 from pt_ray.models.base import State
 
 __all__ = ["LossScaler", "Precision", "resolve_precision"]
@@ -76,8 +77,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
     Raises:
         ValueError: ``bf16`` asked on a GPU without bf16 support, or an unknown name.
     """
-    if name == "auto":
-        name = "bf16" if device.type == "cuda" else "fp32"
+    name = resolve_name(name, device.type)
     if name not in _DTYPES:
         raise ValueError(f"precision={name!r}: choose auto, fp32, bf16 or fp16")
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
