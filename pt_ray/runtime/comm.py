@@ -67,8 +67,6 @@ class Comm:
                 f"{', '.join(sorted(served))} tensors, but this rank computes on {device}; use "
                 "gloo for CPU workers, or 'cpu:gloo,cuda:nccl' on GPU workers"
             )
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
 
     def device_of(self, group: dist.ProcessGroup | None = None) -> torch.device:
         """The device every tensor handed to ``group`` must be on (every group of a run shares
