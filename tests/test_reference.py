@@ -307,7 +307,15 @@ def test_no_freeze_epoch_equals_a_plain_pytorch_loop():
     ours = dict(trainer.adapter.model.named_parameters())
     moved = 0.0
     for name, p in model.named_parameters():
-        assert torch.allclose(ours[name], p, rtol=0, atol=1e-6), name
+        mine, theirs = ours[name].detach().clone(), p.detach().clone()
+        if name.endswith("attn.qkv.bias"):
+            # The key bias has no true gradient (softmax ignores a shift shared by every key),
+            # so AdamW turns the rounding noise of its zero gradient into steps: that third of
+            # the vector agrees to noise only (1.7e-6 measured), the rest to 1e-6.
+            key = slice(p.numel() // 3, 2 * p.numel() // 3)
+            assert torch.allclose(mine[key], theirs[key], rtol=0, atol=1e-5), name
+            mine[key] = theirs[key] = 0.0
+        assert torch.allclose(mine, theirs, rtol=0, atol=1e-6), name
         moved = max(moved, float((p.detach() - reference_init[name]).abs().max()))
     assert moved > 1e-3  # the parameters did train, so agreement is not trivial
 
