@@ -326,6 +326,12 @@ class RunConfig(_Section):
     ``data.batch_size``, so the global batch grows with R (the paper's)."""
     epochs: int = Field(default=20, gt=0)
     """Training epochs."""
+    eval_every: int = Field(default=1, gt=0)
+    """Score the whole eval set every this many epochs and after the last one (the epochs in
+    between record no eval metric: NaN)."""
+    checkpoint_every: int = Field(default=1, gt=0)
+    """Ray engine: write a checkpoint every this many epochs and after the last one (a failure
+    restart resumes from the latest; the epochs in between still report their metrics)."""
     seed: int = 0
     """Seed for model initialisation and the global sample order."""
     output_dir: Path = Path("runs")

@@ -9,6 +9,7 @@ resolved RunConfig), ``device`` (``cpu`` or ``cuda``: where the run trained) and
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,12 +65,16 @@ class EpochRecord:
     cache_cost_ratio: float = 0.0
 
 
+def _metric(value: float) -> str:
+    return "  -   " if math.isnan(value) else f"{value:.4f}"
+
+
 def format_epoch(rec: EpochRecord, epochs: int, metric_name: str) -> str:
     """One line a person can follow: epoch, loss, metric, frozen blocks, K, R, throughput, and
     the cache's hit rate and size when it holds anything."""
     line = (
         f"epoch {rec.epoch + 1:>3}/{epochs}  loss {rec.train_loss:.4f}  "
-        f"{metric_name} {rec.eval_metric:.4f}  frozen {rec.num_frozen:>2}/{rec.num_layers}  "
+        f"{metric_name} {_metric(rec.eval_metric)}  frozen {rec.num_frozen:>2}/{rec.num_layers}  "
         f"K {rec.pipeline_length} R {rec.num_replicas} M {rec.num_microbatches}  "
         f"{rec.throughput_samples_per_s:,.0f} samples/s  ({rec.epoch_time_s:.2f} s)"
     )

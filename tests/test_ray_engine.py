@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from pt_ray.api import fit
 from pt_ray.config import build_config
 from pt_ray.models.base import iter_layers, layer_names
-from pt_ray.runtime.checkpoint import load_layers
+from pt_ray.runtime.checkpoint import load_layers, read_meta
 from pt_ray.runtime.reference import ReferenceTrainer
 from pt_ray.service.worker import FAULT_ENV
 
@@ -85,4 +87,18 @@ def test_killed_worker_restarts_from_checkpoint_and_ends_identical(ray_cluster, 
     # and the result is still the reference's.
     assert result.timeline[1].cache_hit_rate <= 4 / 8
     assert result.timeline[2].cache_hit_rate == 1.0
+    assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+def test_eval_and_checkpoint_cadence(ray_cluster, tmp_path, reference_params):
+    # Evaluate every 2 epochs; checkpoint every 5, so only after the last epoch (always).
+    result = fit(tiny_config(tmp_path, name="ray-cadence", eval_every=2, checkpoint_every=5))
+    metrics = [r.eval_metric for r in result.timeline]
+    assert math.isnan(metrics[0]) and 0 <= metrics[1] <= 1 and 0 <= metrics[2] <= 1
+    assert result.final_eval_metric == metrics[2]
+    # Every epoch reported (the timeline is whole) but one checkpoint was written (Ray Train
+    # keeps two, so a checkpoint per epoch would leave two folders).
+    assert [r.epoch for r in result.timeline] == [0, 1, 2]
+    folders = [p for p in (tmp_path / "ray-cadence" / "ray").rglob("checkpoint_*") if p.is_dir()]
+    assert len(folders) == 1 and read_meta(Path(result.checkpoint))["epoch"] == 2
     assert max_difference(result.checkpoint, reference_params) <= 1e-4

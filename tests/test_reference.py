@@ -398,3 +398,17 @@ def test_tiny_bert_trains_with_finite_decreasing_loss():
     assert rest[-1].eval_metric > 0.8
     # The last epoch trains with block 0 frozen (n(2) = ceil(2 * 0.75) = 2, capped at L - 1).
     assert [first.num_frozen] + [r.num_frozen for r in rest] == [0, 0, 1]
+
+
+# -- evaluation cadence -------------------------------------------------------------------------
+
+
+def test_eval_every_scores_every_kth_epoch_and_the_last():
+    every = ReferenceTrainer(vit_config(eval_every=3, epochs=4)).fit()
+    always = ReferenceTrainer(vit_config(epochs=4)).fit()
+    scored = [not math.isnan(r.eval_metric) for r in every]
+    assert scored == [False, False, True, True]
+    # Skipping an evaluation changes nothing else: the scored epochs and losses agree.
+    assert [r.eval_metric for r in every][2:] == [r.eval_metric for r in always][2:]
+    assert [r.train_loss for r in every] == [r.train_loss for r in always]
+    assert all(r.eval_time_s < 0.05 for r, s in zip(every, scored) if not s)

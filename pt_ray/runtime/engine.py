@@ -15,17 +15,21 @@ One step:
    (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
    and the loss; K = 1 runs without a pipeline;
 3. gradients of trained parameters are averaged over the stage's data-parallel group (frozen ones
-   never are); per-block gradient norms are recorded; the global norm is clipped across stages
-   (fp16: unscaled, and a step with an inf/nan anywhere is skipped on every rank);
-4. the optimizer (one group per owned layer) steps with the learning rate of the run's progress.
+   never are): at K = 1 by DDP over that group, during backward; with a pipeline, in buckets
+   after the schedule; per-block gradient norms are recorded; the global norm is clipped across
+   stages (fp16: unscaled, and a step with an inf/nan anywhere is skipped on every rank);
+4. the optimizer (rebuilt at each plan over the layers trained here, their state carried)
+   steps with the learning rate of the run's progress.
 
-Every collective and point-to-point call goes through :class:`pt_ray.runtime.comm.Comm`, on the
-groups' device (CUDA for NCCL); losses and gradient norms stay on the device until an epoch or
-a decision interval ends.
+Every collective and point-to-point call of pt-ray's own goes through
+:class:`pt_ray.runtime.comm.Comm`, on the groups' device (CUDA for NCCL); DDP and the pipeline
+schedules send the model's own tensors, already on the device. Losses and gradient norms stay
+on the device until an epoch or a decision interval ends.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from pt_ray.config import RunConfig
 from pt_ray.control import cache_policy
@@ -45,11 +50,17 @@ from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
 from pt_ray.runtime.migrate import LayerStates, collect_layer_state, migrate
-from pt_ray.runtime.optim import build_optimizer, layer_param_groups, lr_factor, set_lr
+from pt_ray.runtime.optim import (
+    build_optimizer,
+    layer_param_groups,
+    lr_factor,
+    merge_groups,
+    set_lr,
+)
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
-from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
+from pt_ray.runtime.reference import GradNormMeter, block_grad_norms, evaluates
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
 from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology
@@ -118,6 +129,7 @@ class ElasticWorker:
         self.topo: Topology | None = None
         self.stage: StageModule | None = None
         self.schedule = None
+        self._ddp: DistributedDataParallel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_step = 0
         self.samples_seen = 0
@@ -155,6 +167,7 @@ class ElasticWorker:
             states = restored or {}
         else:
             states = migrate(self.comm, self.modules, self.optimizer, self.plan, plan, self.rank)
+            self._ddp = None  # it holds the data-parallel group destroyed next
             self.topo.destroy()
         for name in frozen_layer_names(plan.num_frozen):
             for p in self.modules[name].parameters():
@@ -166,16 +179,21 @@ class ElasticWorker:
         self.stage = StageModule(self.adapter, plan, stage, state_inputs=cached,
                                  precision=self.precision)
         trained = [n for n in plan.stage_layers(stage) if is_trainable(plan, n)]
-        self.optimizer = build_optimizer(
-            self.cfg.optimizer,
-            layer_param_groups([(n, self.modules[n]) for n in trained],
-                               self.cfg.optimizer.weight_decay),
-        )
+        self.optimizer = build_optimizer(self.cfg.optimizer, merge_groups(layer_param_groups(
+            [(n, self.modules[n]) for n in trained], self.cfg.optimizer.weight_decay)))
         for name in trained:
             for p, s in zip(self.modules[name].parameters(), states.get(name, ())):
                 if s:
                     self.optimizer.state[p] = s
         self.schedule = None
+        if plan.pipeline_length == 1 and self.topo.dp_group is not None and trained:
+            # One stage per replica: DDP itself reduces the gradients, in buckets launched from
+            # gradient hooks during backward (what the peer runs). The replicas already hold
+            # the same parameters, so nothing is broadcast.
+            self._ddp = DistributedDataParallel(
+                self.stage, process_group=self.topo.dp_group, init_sync=False,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                **_NO_BUFFER_SYNC)
         if plan.pipeline_length > 1:
             microbatch = self._replicas_batch(plan) // plan.num_replicas // plan.num_microbatches
             self.schedule = build_schedule(self.stage, plan, stage, self.topo.pipeline_group,
@@ -236,7 +254,7 @@ class ElasticWorker:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss: torch.Tensor | float = 0.0
         if self.schedule is None:
-            out = self.stage(*args)
+            out = (self._ddp or self.stage)(*args)
             value = self._scaled_loss(out, batch.target)
             value.backward()
             loss = value.detach() / scale
@@ -249,7 +267,8 @@ class ElasticWorker:
         else:
             self.schedule.step()
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        all_reduce_grads(self.comm, params, topo.dp_group, r)
+        if self._ddp is None:  # DDP reduced them during backward
+            all_reduce_grads(self.comm, params, topo.dp_group, r)
         blocks = range(plan.boundaries[topo.stage], plan.boundaries[topo.stage + 1])
         norms = block_grad_norms(self.adapter, blocks)
         total = clip_grad_norm(self.comm, params, cfg.optimizer.grad_clip, topo.pipeline_group,
@@ -329,7 +348,7 @@ class ElasticWorker:
         # After this reduction every rank's cache writes have landed.
         cache = self.comm.reduce_values(epoch_counters(self.prefix))
         held = store_figures(self.prefix, self.rank)
-        metric, eval_time = self.evaluate()
+        metric, eval_time = self.evaluate() if evaluates(cfg, epoch) else (float("nan"), 0.0)
         totals = self.comm.reduce_values([float(loss_sum), *held])
         times = self.comm.reduce_values([epoch_time, transition], op="max")
         rec = EpochRecord(
@@ -485,9 +504,19 @@ class ElasticWorker:
 
     def close(self) -> None:
         """Destroy this rank's subgroups (the WORLD group stays with its owner)."""
+        self._ddp = None
         if self.topo is not None:
             self.topo.destroy()
             self.topo = None
+
+
+# Buffers are the same on every replica (built from one seed, never trained): DDP need not
+# broadcast them before each forward. torch 2.14 renamed the switch.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def _to(batch, device: torch.device):

@@ -143,6 +143,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     for epoch in range(first_epoch, cfg.epochs):
         rec = worker.train_epoch(epoch)
+        metrics = {**asdict(rec), "metric_name": adapter.metric_name}
+        if rank == 0:
+            progress.end_epoch()
+            logger.info(format_epoch(rec, cfg.epochs, adapter.metric_name))
+        if (epoch + 1) % cfg.checkpoint_every and epoch != cfg.epochs - 1:
+            ray.train.report(metrics)  # a barrier too: every rank reports
+            continue
         nxt = worker.resume_decision()
         with tempfile.TemporaryDirectory() as tmp:
             worker.save_shard(Path(tmp))
@@ -150,10 +157,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 controller.plan_for(nxt)  # every rank's norms are in: the decision is made
                 write_meta(Path(tmp), {**worker.checkpoint_meta(epoch), "next_decision": nxt,
                                        "controller": controller.state_dict()})
-                progress.end_epoch()
-                logger.info(format_epoch(rec, cfg.epochs, adapter.metric_name))
-            ray.train.report(
-                {**asdict(rec), "metric_name": adapter.metric_name},
-                checkpoint=ray.train.Checkpoint.from_directory(tmp),
-            )
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     worker.close()
