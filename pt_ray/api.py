@@ -135,7 +135,12 @@ def fit(
             cluster without the GPUs, once Ray has started and before anything else has.
     """
     cfg = resolve_config(config, overrides)
+    choice = None
     if cfg.engine == "ray":
+        from pt_ray.service.trainer import cluster_devices, starts_embedded
+
+        # An embedded cluster's GPUs are known now: a missing GPU fails before the preflight.
+        choice = cluster_devices(cfg) if starts_embedded() else None
         preflight(cfg)
     run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
 
@@ -168,7 +173,7 @@ def fit(
     else:
         from pt_ray.service.trainer import run_on_ray
 
-        run = run_on_ray(cfg, run_dir, worker_env, on_start=start)
+        run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice)
         cfg, device = run.config, run.device
         metric_name, timeline = run.metric_name, run.timeline
         if on_epoch is not None:

@@ -46,7 +46,7 @@ def local_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _starts_embedded() -> bool:
+def starts_embedded() -> bool:
     """Whether :func:`ensure_ray` would start an embedded cluster (not attach to one)."""
     return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
@@ -134,7 +134,7 @@ def cluster_devices(cfg: RunConfig) -> DeviceChoice:
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs.
     """
-    gpus = local_gpus() if _starts_embedded() else ray.cluster_resources().get("GPU", 0.0)
+    gpus = local_gpus() if starts_embedded() else ray.cluster_resources().get("GPU", 0.0)
     choice = choose_devices(cfg, gpus)
     logger.info(choice.describe())
     return choice
@@ -145,6 +145,7 @@ def run_on_ray(
     run_dir: Path,
     worker_env: dict[str, str] | None = None,
     on_start: Callable[[RunConfig], None] | None = None,
+    choice: DeviceChoice | None = None,
 ) -> RayRun:
     """Run ``cfg`` on Ray Train with one worker per device and a named controller actor.
 
@@ -154,6 +155,8 @@ def run_on_ray(
         worker_env: extra environment variables for the training workers.
         on_start: called with the resolved configuration (devices and precision chosen)
             before any actor or worker starts, e.g. to write ``config.yaml``.
+        choice: the devices already chosen by :func:`cluster_devices` for the embedded
+            cluster this call starts (None: chosen here).
 
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs; raised
@@ -161,7 +164,8 @@ def run_on_ray(
         ray.train.TrainingFailedError: the run failed more often than
             ``pipeline.max_failures`` allows.
     """
-    choice = cluster_devices(cfg) if _starts_embedded() else None
+    if choice is None and starts_embedded():
+        choice = cluster_devices(cfg)
     started = ensure_ray(cfg)
     try:
         choice = choice or cluster_devices(cfg)
