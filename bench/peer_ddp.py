@@ -1,0 +1,261 @@
+"""The peer pt-ray must beat: plain Ray Train data parallelism, written the way a Ray user who
+does not use pt-ray writes it.
+
+``TorchTrainer`` runs :func:`train_loop_per_worker` on N CPU workers (gloo). Each worker builds
+the same dataset and the same timm model as pt-ray (``build_dataset`` and ``build_model_for``
+with the run's seed; the peer trains the wrapped ``nn.Module`` itself, not pt-ray's cut of it),
+wraps it with ``ray.train.torch.prepare_model`` (DDP), and reads its shard of the training split
+through a ``DataLoader`` with a ``DistributedSampler`` (``shuffle=True``, the run's seed,
+``set_epoch`` every epoch) and a per-worker batch of ``data.batch_size / N``; partial shards
+and batches are dropped, so an epoch has ``floor(samples / batch_size)`` steps, as pt-ray's.
+The optimizer is AdamW with weight decay on matrices only, the learning rate follows pt-ray's
+warm-up and cosine schedule by samples seen (``lr_factor``), and gradients are clipped with
+``clip_grad_norm_``. On pt-ray's cadence (``eval_every`` and ``checkpoint_every``, 1 by
+default) the whole eval set is scored (each rank scores every N-th sample, the counts are
+summed) and rank 0 attaches a checkpoint of the model's ``state_dict`` to ``ray.train.report``,
+which every rank calls every epoch (pt-ray's checkpoints also hold the optimizer state). As
+pt-ray's run does, Ray Train keeps the latest two checkpoints.
+
+What is measurement, not training: the epoch's training time is taken around the training
+loop only; the ranks' times, losses and correct counts are combined with one ``all_reduce``
+after the loop; each report carries the epochs so far, so that the driver reads the whole
+timeline from the last one. Only ``model.family=timm`` (the ViT family) is supported, on CPUs
+in fp32, with ``batch_policy=fixed_global``: an HF model's forward and loss differ from the
+timm one's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from pt_ray.config import RunConfig
+from pt_ray.data.base import SampleDataset
+from pt_ray.data.registry import build_dataset
+from pt_ray.runtime.optim import lr_factor
+from pt_ray.runtime.reference import build_model_for, evaluates
+
+__all__ = ["PeerRun", "check_config", "run_peer", "train_loop_per_worker"]
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Refuse what the peer cannot run like for like with pt-ray.
+
+    Raises:
+        ValueError: naming the field, its value and the fix.
+    """
+    if cfg.model.family != "timm":
+        raise ValueError(f"model.family={cfg.model.family}: the peer arm trains timm ViTs only "
+                         "(an HF model's forward and loss differ); run with --no-peer-arm")
+    if cfg.batch_policy != "fixed_global":
+        raise ValueError(f"batch_policy={cfg.batch_policy}: the peer arm keeps the global batch "
+                         "fixed (data.batch_size / N per worker); use batch_policy=fixed_global")
+    if cfg.pipeline.use_gpu is True or cfg.precision not in ("auto", "fp32"):
+        raise ValueError(f"pipeline.use_gpu={cfg.pipeline.use_gpu}, precision={cfg.precision}: "
+                         "the peer arm trains on CPUs in fp32; set pipeline.use_gpu=false and "
+                         "precision=fp32, or run with --no-peer-arm")
+
+
+class _Samples(Dataset):
+    """A pt-ray split as a torch dataset of ``(pixels, target)`` pairs, for ``DataLoader``."""
+
+    def __init__(self, split: SampleDataset) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, inputs, target = self.split[index]
+        return inputs[0], target
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0}]
+
+
+def _checkpoints(cfg: RunConfig, epoch: int) -> bool:
+    """pt-ray's checkpoint cadence: every ``checkpoint_every`` epochs and after the last one."""
+    return (epoch + 1) % cfg.checkpoint_every == 0 or epoch == cfg.epochs - 1
+
+
+@torch.no_grad()
+def _correct(model: torch.nn.Module, loader: DataLoader) -> int:
+    model.eval()
+    correct = 0
+    for pixels, target in loader:
+        correct += int((model(pixels).argmax(dim=-1) == target).sum())
+    model.train()
+    return correct
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train's per-worker function.
+
+    Args:
+        config: ``{"run": RunConfig as a dict}``.
+    """
+    import ray.train
+    import ray.train.torch
+
+    cfg = RunConfig.model_validate(config["run"])
+    torch.set_num_threads(max(1, int(cfg.pipeline.cpus_per_worker)))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    adapter = build_model_for(cfg, splits)
+    model = ray.train.torch.prepare_model(adapter.model)
+
+    per_worker = cfg.data.batch_size // world
+    train = _Samples(splits.train)
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train, batch_size=per_worker, sampler=sampler, drop_last=True,
+                        num_workers=cfg.data.num_workers)
+    eval_rows = range(rank, len(splits.eval), world)  # every sample once over the ranks
+    eval_loader = DataLoader(torch.utils.data.Subset(_Samples(splits.eval), eval_rows),
+                             batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                             num_workers=cfg.data.num_workers)
+    opt_cfg = cfg.optimizer
+    optimizer = torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=opt_cfg.lr,
+                                  betas=opt_cfg.betas)
+    total_samples = cfg.epochs * len(loader) * per_worker * world
+    seen = 0
+    history: list[dict[str, Any]] = []
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)
+        loss_sum = torch.zeros(())
+        t0 = time.perf_counter()
+        for pixels, target in loader:
+            for group in optimizer.param_groups:
+                group["lr"] = opt_cfg.lr * lr_factor(seen / total_samples, opt_cfg)
+            loss = F.cross_entropy(model(pixels), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if opt_cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
+            optimizer.step()
+            loss_sum += loss.detach()
+            seen += per_worker * world
+        train_time = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        scored = evaluates(cfg, epoch)
+        correct = _correct(model, eval_loader) if scored else 0
+        sums = torch.tensor([float(correct), float(loss_sum)], dtype=torch.float64)
+        times = torch.tensor([train_time], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        eval_time = time.perf_counter() - t1 if scored else 0.0
+        steps = len(loader)
+        history.append({
+            "epoch": epoch,
+            "num_frozen": 0,
+            "num_layers": adapter.num_layers,
+            "pipeline_length": 1,
+            "num_replicas": world,
+            "num_microbatches": 1,
+            "throughput_samples_per_s": steps * per_worker * world / max(float(times[0]), 1e-9),
+            "epoch_time_s": float(times[0]),
+            "transition_time_s": 0.0,
+            "cache_hit_rate": 0.0,
+            "train_loss": float(sums[1]) / world / max(steps, 1),
+            "eval_metric": float(sums[0]) / max(len(splits.eval), 1) if scored else math.nan,
+            "eval_time_s": eval_time,
+        })
+        metrics = {**history[-1], "metric_name": adapter.metric_name, "history": list(history)}
+        if not _checkpoints(cfg, epoch):
+            ray.train.report(metrics)  # a barrier: every rank reports
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = None
+            if rank == 0:
+                # DDP wraps the model when N > 1; the saved keys are the model's own.
+                torch.save(getattr(model, "module", model).state_dict(), Path(tmp) / "model.pt")
+                checkpoint = ray.train.Checkpoint.from_directory(tmp)
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    """What a peer run returns to the driver.
+
+    Attributes:
+        timeline: one record per epoch, with the keys of pt-ray's ``EpochRecord`` that apply
+            (nothing frozen, K = 1, R = N, no transitions, no cache).
+        metric_name: the eval metric's name.
+        final_eval_metric: the eval metric after the last epoch.
+        wall_time_s: ``TorchTrainer.fit()`` wall time, s.
+        checkpoint: the last checkpoint's directory (``model.pt``: the model's state_dict).
+    """
+
+    timeline: list[dict[str, Any]]
+    metric_name: str
+    final_eval_metric: float
+    wall_time_s: float
+    checkpoint: str | None
+
+
+def run_peer(cfg: RunConfig, run_dir: Path) -> PeerRun:
+    """Train ``cfg`` with the peer on the connected Ray cluster.
+
+    Args:
+        cfg: the run configuration (``pipeline.num_workers`` and ``cpus_per_worker`` size the
+            worker group; freezing, pipeline and cache settings do not apply).
+        run_dir: Ray Train's storage goes under ``run_dir/ray``, as pt-ray's does.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+        ray.train.TrainingFailedError: the run failed.
+    """
+    import ray.cloudpickle
+    from ray.train import CheckpointConfig, LoggingConfig, ScalingConfig
+    from ray.train import RunConfig as TrainRunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    check_config(cfg)
+    # bench/ is not importable on Ray's workers: ship this module's code with the function.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    p = cfg.pipeline
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"run": cfg.model_dump(mode="json")},
+        scaling_config=ScalingConfig(num_workers=p.num_workers, use_gpu=False,
+                                     resources_per_worker={"CPU": p.cpus_per_worker}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=TrainRunConfig(
+            name=f"peer-{uuid.uuid4().hex[:8]}",
+            storage_path=str((run_dir / "ray").resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),  # as pt-ray's
+            # As pt-ray's: Ray Train's per-report INFO lines would bury the benchmark's output.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    t0 = time.perf_counter()
+    result = trainer.fit()
+    wall = time.perf_counter() - t0
+    if result.error is not None:
+        raise result.error
+    # The last epoch always checkpoints; its report carries every epoch's record.
+    timeline = [dict(m) for m in (result.metrics or {}).get("history", [])]
+    if [m["epoch"] for m in timeline] != list(range(cfg.epochs)):
+        raise RuntimeError(f"peer run reported epochs {[m['epoch'] for m in timeline]}, "
+                           f"expected 0..{cfg.epochs - 1}")
+    metric_name = result.metrics["metric_name"]
+    ckpt = result.checkpoint.path if result.checkpoint is not None else None
+    return PeerRun(timeline, metric_name, timeline[-1]["eval_metric"], wall, ckpt)
