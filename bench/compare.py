@@ -1,30 +1,34 @@
-"""Side-by-side speed benchmark: the no-freeze baseline against pt-ray, without and with the
-activation cache, and (``--ablation``) the paper's ablation arms.
+"""Side-by-side speed benchmark: pt-ray against the peer a Ray user would write instead (plain
+Ray Train DDP), against the paper's no-freeze K=2 baseline, without and with the activation
+cache, and (``--ablation``) the paper's ablation arms.
 
-Both arms run the same job (same engine, data, seed and epochs) inside one local Ray cluster
-started here, so cluster start-up is paid once and excluded from both. Arms alternate across
-repeats (baseline, pt-ray, then pt-ray, baseline, ...; ``--order abab`` keeps one order) to
-spread machine noise over both. The figures are ratios; absolute
-times on a shared 2-core machine are not.
+Every arm runs the same job (same model, data, seed, optimizer, schedule and epochs) inside one
+local Ray cluster started here, so cluster start-up is paid once and excluded from all. Arms
+alternate across repeats (in order on even repeats, reversed on odd ones; ``--order abab`` keeps
+one order) to spread machine noise over all. The figures are ratios; absolute times on a shared
+2-core machine are not.
 
 Arms:
-  baseline     the config with ``freeze.policy=none`` (K stays at its initial value, 2 on the
-               CPU testbed, R = 1, for the whole run)
+  baseline     the paper's baseline: the config with ``freeze.policy=none`` (K stays at its
+               initial value, 2 on the CPU testbed, R = 1, for the whole run)
   freeze-only  optional (``--ablation``): freezing on, ``pipeline.elastic=false`` and the cache
                off: K and R stay (the frozen prefix moves onto stage 0, at most L - K blocks
                freeze)
   pt-ray       the config as given (AutoFreeze on: K = 2 -> 1, R = 1 -> 2 as blocks freeze;
                the default config keeps the cache off: freeze + AutoPipe + AutoDP)
-  cache        the config with ``cache.mode=on``: all four mechanisms
-  dp           optional (``--dp-arm``): ``freeze.policy=none`` with
-               ``pipeline.pipeline_length=1`` (K = 1, R = N for the whole run): separates what
-               leaving the pipeline buys from what freezing buys.
+  cache        the config with ``cache.mode=on``: all four mechanisms (``--no-cache-arm``)
+  dp           pt-ray without freezing at K=1: ``freeze.policy=none`` with
+               ``pipeline.pipeline_length=1`` (R = N for the whole run); against the peer it
+               is the engine's tax (``--no-dp-arm``)
+  peer         plain Ray Train DDP (``bench/peer_ddp.py``: ``TorchTrainer``, ``prepare_model``,
+               a ``DistributedSampler``) on the same model and data, N workers; the headline
+               is pt-ray over it (``--no-peer-arm``)
 
 Writes ``<out>/compare.json`` and ``<out>/compare.png`` and prints a table. Usage:
 
     python bench/compare.py [--config FILE] [--set k=v ...] [--epochs N] [--repeats R]
-                            [--out bench/out] [--ablation] [--no-cache-arm] [--dp-arm]
-                            [--order abba|abab]
+                            [--out bench/out] [--ablation] [--no-cache-arm] [--no-dp-arm]
+                            [--no-peer-arm] [--arms a,b,...] [--order abba|abab]
     python bench/compare.py --resummarise bench/out/compare.json --out bench/out
 """
 
@@ -49,7 +53,9 @@ from typing import Any
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from compare_report import _med, bound_for, write_report  # noqa: E402
+from compare_output import write_report  # noqa: E402
+from compare_report import NO_FREEZE_ARMS, _med, bound_for  # noqa: E402
+from peer_ddp import check_config, run_peer  # noqa: E402
 from pt_ray.api import default_config_path, fit, resolve_config  # noqa: E402
 
 ARM_OVERRIDES: dict[str, list[str]] = {
@@ -58,8 +64,11 @@ ARM_OVERRIDES: dict[str, list[str]] = {
     "pt-ray": [],
     "cache": ["cache.mode=on"],
     "dp": ["freeze.policy=none", "pipeline.pipeline_length=1"],
+    "peer": [],
 }
-"""What each arm adds to the config (and ``--set``); the arms run in this order."""
+"""What each arm adds to the config (and ``--set``); the arms run in this order. The peer reads
+only the model, data, optimizer, epochs, seed, ``pipeline.num_workers`` and
+``cpus_per_worker``."""
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -143,17 +152,35 @@ class CheckpointWatcher:
         return sorted(out)
 
 
-def time_split(start: float, end: float, ends: list[float], timeline: list[dict]) -> dict:
-    """Where a run's wall time went, from epoch-end times (see :class:`CheckpointWatcher`)."""
-    if len(ends) != len(timeline):
+def checkpoint_epochs(cfg: Any) -> list[int]:
+    """The epochs that end with a checkpoint: every ``checkpoint_every`` epochs and the last."""
+    return [e for e in range(cfg.epochs)
+            if (e + 1) % cfg.checkpoint_every == 0 or e == cfg.epochs - 1]
+
+
+def time_split(start: float, end: float, ends: list[float], timeline: list[dict],
+               epochs: list[int] | None = None) -> dict:
+    """Where a run's wall time went, from the times of its checkpoints (see
+    :class:`CheckpointWatcher`), taken after ``epochs`` (default: every epoch).
+
+    Each checkpoint's time less the work (training, re-plans, evaluation) of the epochs since
+    the previous one is what those epochs cost besides (checkpoint, report, plan): one gap per
+    checkpoint after the first. Start-up is the first checkpoint less the work before it; with
+    checkpoints every k > 1 epochs it also holds the reports of the k - 1 epochs before it.
+    """
+    epochs = list(range(len(timeline))) if epochs is None else epochs
+    if len(ends) != len(epochs):
         return {"checkpoints_seen": len(ends)}
     work = [r["epoch_time_s"] + r["transition_time_s"] + r.get("eval_time_s", 0.0)
             for r in timeline]
-    gaps = [ends[i] - ends[i - 1] - work[i] for i in range(1, len(ends))]
+    bounds = [-1, *epochs]
+    done = [sum(work[bounds[j] + 1:bounds[j + 1] + 1]) for j in range(len(epochs))]
+    gaps = [ends[j] - ends[j - 1] - done[j] for j in range(1, len(ends))]
     return {
         "checkpoints_seen": len(ends),
+        "checkpoint_epochs": epochs,
         "between_epochs_each_s": gaps,
-        "startup_s": ends[0] - start - work[0],
+        "startup_s": ends[0] - start - done[0],
         "between_epochs_s": sum(gaps),
         "between_epochs_median_s": _med(gaps) if gaps else 0.0,
         "teardown_s": end - ends[-1],
@@ -162,7 +189,12 @@ def time_split(start: float, end: float, ends: list[float], timeline: list[dict]
 
 def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
             keep_checkpoints: bool) -> dict:
-    """Run one arm once; returns its figures (times in seconds, accuracy as a fraction)."""
+    """Run one arm once; returns its figures (times in seconds, accuracy as a fraction).
+
+    ``fit_call_s`` is the whole call as its user waits for it (``pt_ray.fit``, or building and
+    fitting the peer's ``TorchTrainer``); ``wall_time_s`` is pt-ray's own run wall time (after
+    its driver-side checks, before its summary) or the peer's ``TorchTrainer.fit()``.
+    """
     name = f"{arm}-{repeat}"
     ovr = [*overrides, *ARM_OVERRIDES[arm], f"name=bench-{name}"]
     run_dir = out / "runs" / name
@@ -171,10 +203,17 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
     start = time.time()
     t0 = time.perf_counter()
     with CheckpointWatcher(run_dir / "ray") as watcher:
-        result = fit(config, overrides=ovr, output_dir=run_dir, on_epoch=lambda rec: None)
+        if arm == "peer":
+            cfg = resolve_config(config, ovr)
+            result = run_peer(cfg, run_dir)
+            timeline, restarts = result.timeline, 0
+        else:
+            result = fit(config, overrides=ovr, output_dir=run_dir, on_epoch=lambda rec: None)
+            timeline = [asdict(r) if not isinstance(r, dict) else dict(r)
+                        for r in result.timeline]
+            cfg, restarts = result.config, result.restarts
     outer = time.perf_counter() - t0
     end = time.time()
-    timeline = [asdict(r) if not isinstance(r, dict) else dict(r) for r in result.timeline]
     epoch_sum = sum(r["epoch_time_s"] for r in timeline)
     trans_sum = sum(r["transition_time_s"] for r in timeline)
     eval_sum = sum(r.get("eval_time_s", 0.0) for r in timeline)
@@ -189,20 +228,21 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
         "transition_time_sum_s": trans_sum,
         "eval_time_sum_s": eval_sum,
         "overhead_s": result.wall_time_s - epoch_sum - trans_sum - eval_sum,
-        "overhead_split": time_split(start, end, watcher.times(), timeline),
+        "overhead_split": time_split(start, end, watcher.times(), timeline,
+                                     checkpoint_epochs(cfg)),
         "metric_name": result.metric_name,
         "final_accuracy": result.final_eval_metric,
         "timeline": timeline,
-        "run_dir": str(result.run_dir),
-        "restarts": result.restarts,
+        "run_dir": str(run_dir),
+        "restarts": restarts,
         "load_after": os.getloadavg()[0],
     }
-    if arm not in ("baseline", "dp"):
+    if arm not in NO_FREEZE_ARMS:
         rec.update(bound_for(timeline))
     if not keep_checkpoints:
         shutil.rmtree(run_dir / "ray", ignore_errors=True)  # Ray Train storage made by this run
     print(f"[compare] {name}: train {rec['train_time_s']:.1f} s, wall {rec['wall_time_s']:.1f} s,"
-          f" {rec['metric_name']} {rec['final_accuracy']:.4f}", flush=True)
+          f" call {outer:.1f} s, {rec['metric_name']} {rec['final_accuracy']:.4f}", flush=True)
     return rec
 
 
@@ -245,8 +285,15 @@ def main(argv: list[str] | None = None) -> int:
                              "cache arm this is the paper's ablation table")
     parser.add_argument("--no-cache-arm", action="store_true",
                         help="skip the cache arm (cache.mode=on)")
+    parser.add_argument("--no-dp-arm", action="store_true",
+                        help="skip pt-ray without freezing at K=1 (the engine-tax arm)")
     parser.add_argument("--dp-arm", action="store_true",
-                        help="also run no-freeze K=1 (pure data parallel)")
+                        help=argparse.SUPPRESS)  # the dp arm's old switch; it runs by default
+    parser.add_argument("--no-peer-arm", action="store_true",
+                        help="skip the peer (plain Ray Train DDP)")
+    parser.add_argument("--arms", default=None, metavar="A,B,...",
+                        help=f"run exactly these arms (of {', '.join(ARM_OVERRIDES)}), in the "
+                             "order above; overrides the other arm switches")
     parser.add_argument("--object-store-mb", type=int, default=512,
                         help="object store of the benchmark's Ray cluster, MiB (default: 512)")
     parser.add_argument("--label", default=None,
@@ -272,13 +319,24 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(config, overrides)  # fails here, before Ray, on a bad value
     for arm in ARM_OVERRIDES:
         resolve_config(config, [*overrides, *ARM_OVERRIDES[arm]])
-    args.out.mkdir(parents=True, exist_ok=True)
 
-    wanted = {"baseline", "pt-ray", "freeze-only" if args.ablation else "",
-              "" if args.no_cache_arm else "cache", "dp" if args.dp_arm else ""}
+    if args.arms is not None:
+        wanted = set(filter(None, args.arms.split(",")))
+        if not wanted or wanted - set(ARM_OVERRIDES):
+            parser.error(f"--arms {args.arms}: choose among {', '.join(ARM_OVERRIDES)}")
+    else:
+        wanted = {"baseline", "pt-ray", "freeze-only" if args.ablation else "",
+                  "" if args.no_cache_arm else "cache", "" if args.no_dp_arm else "dp",
+                  "" if args.no_peer_arm else "peer"}
     arms = [a for a in ARM_OVERRIDES if a in wanted]
+    if "peer" in arms:
+        try:
+            check_config(resolve_config(config, [*overrides, *ARM_OVERRIDES["peer"]]))
+        except ValueError as err:
+            parser.error(str(err))
+    args.out.mkdir(parents=True, exist_ok=True)
     started = False
-    if cfg.engine == "ray":
+    if cfg.engine == "ray" or "peer" in arms:
         need = cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker
         start_ray(max(int(-(-need // 1)), 1), args.object_store_mb, args.verbose)
         started = True
@@ -312,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "arms": arms,
         "arm_overrides": {a: ARM_OVERRIDES[a] for a in arms},
         "cache_mode": cfg.cache.mode,
-        "metric_name": runs["pt-ray"][0]["metric_name"],
+        "metric_name": runs[arms[0]][0]["metric_name"],
         "source": source_info(args.label),
         # Ray Train's controller collects one report per poll (default every 2 s; each rank's
         # result queue holds one), which floors an epoch's wall time when epochs are short.
@@ -324,9 +382,25 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmark_s": time.perf_counter() - t0},
         "definitions": {
             "train_time_s": "sum over epochs of epoch_time_s + transition_time_s "
-                            "(training steps and re-plans; evaluation excluded)",
+                            "(training steps and re-plans; evaluation excluded); the peer's "
+                            "epoch_time_s is its training loop, slowest rank",
             "wall_time_s": "fit() wall time: Ray Train worker start, profiling, training, "
-                           "evaluation, checkpoints (the cluster start is excluded)",
+                           "evaluation, checkpoints (the cluster start is excluded); the "
+                           "peer's is TorchTrainer.fit()",
+            "fit_call_s": "the whole call as its user waits for it: pt_ray.fit (with its "
+                          "driver-side checks and summary), or building and fitting the peer's "
+                          "TorchTrainer",
+            "vs_peer.speedup_vs_peer": "headline: median over repeats of peer train_time_s / "
+                                       "pt-ray train_time_s (pairs run back to back)",
+            "vs_peer.wall_ratio_vs_peer": "peer fit_call_s / pt-ray fit_call_s, median",
+            "vs_peer.fraction_of_bound_vs_peer": "speedup_vs_peer / pt-ray's ideal_bound",
+            "vs_peer.engine_tax_k1": "dp train_time_s / peer train_time_s - 1, median: what "
+                                     "the engine costs without freezing at K=1",
+            "breakdown": "per arm: startup_s (call to first epoch's training, estimated as the "
+                         "first checkpoint's time minus the first epoch's training and eval), "
+                         "between_epochs_s (checkpoint, report, plan), teardown_s (last "
+                         "checkpoint to the call's return), per_epoch_overhead_s (median over "
+                         "epochs after the first of eval + time before the next checkpoint)",
             "speedup": "median over repeats of baseline train_time_s / pt-ray train_time_s "
                        "(pairs run back to back)",
             "speedup_best_epochs": "the same ratio with each epoch at its fastest over the "

@@ -1,22 +1,27 @@
-"""Figures, table and plot of ``bench/compare.py``: from the runs' timelines to the speedup,
-the ideal bound of the freeze timeline, the fraction of it reached and the accuracy difference."""
+"""The figures of ``bench/compare.py``, from its runs' timelines: pt-ray against the peer (plain
+Ray Train DDP) in training and wall time beside accuracy, where each run's wall time went, and
+against the paper's baseline (K=2, no freezing) the speedup, the ideal bound of the freeze
+timeline, the fraction of it reached and the accuracy difference. ``compare_output`` prints
+and plots them."""
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 from pt_ray.summary import ideal_speedup
 
-__all__ = ["AIM_ACCURACY_POINTS", "AIM_FRACTION", "AIM_PREFIX_COST", "ablation", "bound_for",
-           "summarise", "write_report"]
+__all__ = ["AIM_ACCURACY_POINTS", "AIM_ENGINE_TAX", "AIM_FRACTION", "AIM_PREFIX_COST",
+           "ablation", "against_baseline", "against_peer", "bound_for", "breakdown",
+           "by_plan", "per_epoch", "summarise"]
 
 AIM_FRACTION = 0.80
 """The issue's aim: measured speedup at least this fraction of the ideal bound."""
 AIM_ACCURACY_POINTS = 1.0
-"""The issue's aim: final accuracy within this many points of the baseline."""
+"""The issue's aim: final accuracy within this many points of the baseline (and of the peer)."""
+AIM_ENGINE_TAX = 0.05
+"""The peer issue's aim: pt-ray without freezing at K=1 (the ``dp`` arm) takes at most this
+fraction more training time than the peer."""
 AIM_PREFIX_COST = 0.10
 """The cache issue's aim: once the cache serves it, the frozen prefix costs at most this
 fraction per sample of what it costs without the cache."""
@@ -24,12 +29,15 @@ STEADY_HIT_RATE = 0.99
 """An epoch counts as the cache's steady state from this hit rate (nothing left to compute)."""
 
 ARM_LABELS = {
-    "baseline": "no freeze (baseline)",
+    "baseline": "paper's baseline (K=2, no freezing)",
     "freeze-only": "freeze only",
     "pt-ray": "freeze + AutoPipe + AutoDP",
     "cache": "freeze + AutoPipe + AutoDP + AutoCache",
-    "dp": "no freeze, K=1 (data parallel)",
+    "dp": "pt-ray, no freezing, K=1",
+    "peer": "peer: Ray Train DDP",
 }
+NO_FREEZE_ARMS = ("baseline", "dp", "peer")
+"""Arms that never freeze (no ideal bound of their own)."""
 
 
 # -- the ideal bound ---------------------------------------------------------------------------
@@ -67,11 +75,17 @@ def _plan_key(r: dict[str, Any]) -> tuple:
     return (r["num_frozen"], r["pipeline_length"], r["num_replicas"], r["num_microbatches"])
 
 
+def _ref_arm(runs: dict[str, list[dict]]) -> str:
+    """The arm whose plans label the per-epoch rows: pt-ray when it ran, else the first."""
+    return "pt-ray" if "pt-ray" in runs else next(iter(runs))
+
+
 def per_epoch(runs: dict[str, list[dict]]) -> list[dict[str, Any]]:
-    """Median epoch time per arm and epoch, with pt-ray's plan and the ideal per-epoch ratio."""
+    """Median epoch time per arm and epoch, with pt-ray's plan and the ideal per-epoch ratio;
+    ``ratio`` is baseline / pt-ray and ``peer_ratio`` peer / pt-ray where those arms ran."""
     rows = []
-    ref = runs["pt-ray"][0]["timeline"]
-    for e, prec in enumerate(ref):
+    pt = _ref_arm(runs)
+    for e, prec in enumerate(runs[pt][0]["timeline"]):
         row: dict[str, Any] = {
             "epoch": e,
             "num_frozen": prec["num_frozen"],
@@ -83,14 +97,16 @@ def per_epoch(runs: dict[str, list[dict]]) -> list[dict[str, Any]]:
         for arm, recs in runs.items():
             row[f"{arm}_s"] = _med([r["timeline"][e]["epoch_time_s"]
                                     + r["timeline"][e]["transition_time_s"] for r in recs])
-        row["ratio"] = row["baseline_s"] / row["pt-ray_s"]
+        for key, other in (("ratio", "baseline"), ("peer_ratio", "peer")):
+            if other in runs and pt != other:
+                row[key] = row[f"{other}_s"] / row[f"{pt}_s"]
         rows.append(row)
     return rows
 
 
 def by_plan(runs: dict[str, list[dict]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Epochs grouped by pt-ray's plan: where the time goes, and each group's measured vs ideal
-    ratio against the baseline's same epochs."""
+    ratio against the baseline's (and the peer's) same epochs."""
     groups: dict[tuple, dict[str, Any]] = {}
     for row in rows:
         key = (row["num_frozen"], row["pipeline_length"], row["num_replicas"],
@@ -104,9 +120,13 @@ def by_plan(runs: dict[str, list[dict]], rows: list[dict[str, Any]]) -> list[dic
         for arm in runs:
             g[f"{arm}_s"] += row[f"{arm}_s"]
     out = list(groups.values())
+    pt = _ref_arm(runs)
     for g in out:
-        g["ratio"] = g["baseline_s"] / g["pt-ray_s"]
-        g["fraction_of_ideal"] = g["ratio"] / g["ideal_ratio"]
+        for key, other in (("ratio", "baseline"), ("peer_ratio", "peer")):
+            if other in runs and pt != other:
+                g[key] = g[f"{other}_s"] / g[f"{pt}_s"]
+        if "ratio" in g:
+            g["fraction_of_ideal"] = g["ratio"] / g["ideal_ratio"]
     return out
 
 
@@ -136,39 +156,138 @@ def prefix_cost(recs: list[dict]) -> dict[str, Any]:
     }
 
 
+def _paired(num: list[dict], den: list[dict], key: str) -> list[float]:
+    """``num[key] / den[key]`` for each repeat: runs of one repeat ran back to back."""
+    return [n[key] / d[key] for n, d in zip(num, den)]
+
+
 def ablation(runs: dict[str, list[dict]], cache_mode: str = "off") -> list[dict[str, Any]]:
-    """The paper's ablation table: every arm's speedup over the baseline (median of the ratios
-    of runs made back to back), wall-time ratio, final accuracy and ideal bound."""
-    base = runs["baseline"]
+    """The paper's ablation table: every arm's speedup over the paper's baseline (median of the
+    ratios of runs made back to back), wall-time ratio, final accuracy and ideal bound, and its
+    training-time speedup over the peer when the peer ran (``vs_peer``)."""
+    base, peer = runs.get("baseline"), runs.get("peer")
     rows = []
     for arm, recs in runs.items():
         label = ARM_LABELS[arm]
         if arm == "pt-ray" and cache_mode != "off":
             label = f"pt-ray as configured (cache.mode={cache_mode})"
-        ratios = [b["train_time_s"] / r["train_time_s"] for b, r in zip(base, recs)]
         row = {
             "arm": arm,
             "label": label,
             "train_time_s": _med([r["train_time_s"] for r in recs]),
-            "speedup": _med(ratios),
-            "speedup_per_repeat": ratios,
-            "wall_time_ratio": _med([b["wall_time_s"] / r["wall_time_s"]
-                                     for b, r in zip(base, recs)]),
             "accuracy": _med([r["final_accuracy"] for r in recs]),
             "max_frozen": max(e["num_frozen"] for e in recs[0]["timeline"]),
             "ideal_bound": _med([r["ideal_bound"] for r in recs]) if "ideal_bound" in recs[0]
             else 1.0,
         }
-        row["accuracy_diff_points"] = 100.0 * (row["accuracy"]
-                                               - _med([b["final_accuracy"] for b in base]))
-        row["fraction_of_bound"] = row["speedup"] / row["ideal_bound"]
+        if base is not None:
+            ratios = _paired(base, recs, "train_time_s")
+            row.update(speedup=_med(ratios), speedup_per_repeat=ratios,
+                       wall_time_ratio=_med(_paired(base, recs, "wall_time_s")))
+            row["accuracy_diff_points"] = 100.0 * (row["accuracy"]
+                                                   - _med([b["final_accuracy"] for b in base]))
+            row["fraction_of_bound"] = row["speedup"] / row["ideal_bound"]
+        if peer is not None:
+            row["vs_peer"] = _med(_paired(peer, recs, "train_time_s"))
         rows.append(row)
     return rows
 
 
+def breakdown(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Where each arm's wall time went (medians over repeats, s): start-up, training,
+    evaluation, between epochs (checkpoint, report, plan), teardown, the whole call, and the
+    overhead of one epoch after the first checkpoint (its evaluation plus its share of the time
+    before the next checkpoint; None with a single checkpoint). Arms whose checkpoints were not
+    all seen are left out."""
+    out = {}
+    for arm, recs in runs.items():
+        split = [(r, r["overhead_split"]) for r in recs if "startup_s" in r["overhead_split"]]
+        if not split:
+            continue
+        per_epoch = []
+        for r, sp in split:
+            evals = [t.get("eval_time_s", 0.0) for t in r["timeline"]]
+            ck = sp.get("checkpoint_epochs") or list(range(len(evals)))
+            each = [(sum(evals[a + 1:b + 1]) + gap) / (b - a)
+                    for a, b, gap in zip(ck, ck[1:], sp["between_epochs_each_s"])]
+            if each:
+                per_epoch.append(_med(each))
+        out[arm] = {
+            "startup_s": _med([sp["startup_s"] for _, sp in split]),
+            "train_s": _med([r["train_time_s"] for r, _ in split]),
+            "eval_s": _med([r["eval_time_sum_s"] for r, _ in split]),
+            "between_epochs_s": _med([sp["between_epochs_s"] for _, sp in split]),
+            "teardown_s": _med([sp["teardown_s"] for _, sp in split]),
+            "call_s": _med([r["fit_call_s"] for r, _ in split]),
+            "per_epoch_overhead_s": _med(per_epoch) if per_epoch else None,
+        }
+    return out
+
+
+def against_peer(runs: dict[str, list[dict]], parts: dict[str, dict[str, float]]
+                 ) -> dict[str, Any]:
+    """The headline: pt-ray over the peer in training time and in wall time (the whole call,
+    which for pt-ray includes its driver-side checks and summary), the fraction of pt-ray's own
+    ideal bound reached, the accuracy difference, the engine tax at K=1 (``dp`` over the peer)
+    and whether pt-ray's start-up and per-epoch overhead stay within the peer's."""
+    peer = runs["peer"]
+    s: dict[str, Any] = {
+        "peer_train_time_s": _med([p["train_time_s"] for p in peer]),
+        "peer_wall_s": _med([p["fit_call_s"] for p in peer]),
+        "peer_accuracy": _med([p["final_accuracy"] for p in peer]),
+    }
+    if "pt-ray" in runs:
+        pt = runs["pt-ray"]
+        train, wall = _paired(peer, pt, "train_time_s"), _paired(peer, pt, "fit_call_s")
+        s.update(
+            speedup_vs_peer=_med(train), speedup_vs_peer_per_repeat=train,
+            wall_ratio_vs_peer=_med(wall), wall_ratio_vs_peer_per_repeat=wall,
+            ideal_bound=_med([p["ideal_bound"] for p in pt]),
+            accuracy_diff_vs_peer_points=100.0 * (_med([p["final_accuracy"] for p in pt])
+                                                  - s["peer_accuracy"]),
+        )
+        s["fraction_of_bound_vs_peer"] = s["speedup_vs_peer"] / s["ideal_bound"]
+        s["meets_peer_wall_aim"] = s["wall_ratio_vs_peer"] > 1.0
+        s["meets_peer_fraction_aim"] = s["fraction_of_bound_vs_peer"] >= AIM_FRACTION
+        s["meets_peer_accuracy_aim"] = (abs(s["accuracy_diff_vs_peer_points"])
+                                        <= AIM_ACCURACY_POINTS)
+    if "dp" in runs:
+        tax = [r - 1.0 for r in _paired(runs["dp"], peer, "train_time_s")]
+        s.update(engine_tax_k1=_med(tax), engine_tax_k1_per_repeat=tax,
+                 engine_tax_k1_wall=_med(_paired(runs["dp"], peer, "fit_call_s")) - 1.0)
+        s["meets_engine_tax_aim"] = s["engine_tax_k1"] <= AIM_ENGINE_TAX
+    if "pt-ray" in parts and "peer" in parts:
+        mine, theirs = parts["pt-ray"], parts["peer"]
+        each = (mine["per_epoch_overhead_s"], theirs["per_epoch_overhead_s"])
+        if None not in each:
+            s["meets_overhead_aim"] = (mine["startup_s"] <= theirs["startup_s"]
+                                       and each[0] <= each[1])
+    return s
+
+
 def summarise(runs: dict[str, list[dict]], cache_mode: str = "off") -> dict[str, Any]:
-    """The headline figures: speedup (median of paired training-time ratios), wall-time ratio,
-    ideal bound, fraction of the bound, accuracy difference in points."""
+    """Every figure the arms that ran allow: the headline against the peer (``vs_peer``), the
+    wall-time breakdown, the figures against the paper's baseline, the ablation table, and the
+    cache's prefix cost."""
+    s: dict[str, Any] = {}
+    if "baseline" in runs and "pt-ray" in runs:
+        s.update(against_baseline(runs))
+    s["breakdown"] = breakdown(runs)
+    if "peer" in runs:
+        s["vs_peer"] = against_peer(runs, s["breakdown"])
+    s["ablation"] = ablation(runs, cache_mode)
+    if "cache" in runs:
+        s["prefix_cost"] = prefix_cost(runs["cache"])
+    if any(r["restarts"] for recs in runs.values() for r in recs):
+        s["note"] = "; ".join(filter(None, [
+            s.get("note"), "a run restarted from a checkpoint; its times include the restart"]))
+    return s
+
+
+def against_baseline(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """pt-ray against the paper's baseline (K=2, no freezing): speedup (median of paired
+    training-time ratios), wall-time ratio, ideal bound, fraction of the bound, accuracy
+    difference in points, and the ``dp`` arm's figures when it ran."""
     base, pt = runs["baseline"], runs["pt-ray"]
     pairs = list(zip(base, pt))
     train_ratios = [b["train_time_s"] / p["train_time_s"] for b, p in pairs]
@@ -225,9 +344,6 @@ def summarise(runs: dict[str, list[dict]], cache_mode: str = "off") -> dict[str,
             [b["train_time_s"] / d["train_time_s"] for b, d in zip(base, dp)])
         s["speedup_vs_dp"] = _med([d["train_time_s"] / p["train_time_s"] for d, p in zip(dp, pt)])
         s["fraction_of_bound_vs_dp"] = s["speedup_vs_dp"] / bounds["ideal_bound"]
-    s["ablation"] = ablation(runs, cache_mode)
-    if "cache" in runs:
-        s["prefix_cost"] = prefix_cost(runs["cache"])
     s["meets_fraction_aim"] = s["fraction_of_bound"] >= AIM_FRACTION
     s["meets_accuracy_aim"] = abs(s["accuracy_diff_points"]) <= AIM_ACCURACY_POINTS
     notes = []
@@ -244,183 +360,5 @@ def summarise(runs: dict[str, list[dict]], cache_mode: str = "off") -> dict[str,
         base[0]["timeline"][0]["pipeline_length"] != pt[0]["timeline"][0]["pipeline_length"]
     ):
         notes.append("the arms started with different K; the baseline is not the issue's K=2, R=1")
-    if any(r["restarts"] for recs in runs.values() for r in recs):
-        notes.append("a run restarted from a checkpoint; its times include the restart")
     s["note"] = "; ".join(notes) if notes else None
     return s
-
-# -- output ------------------------------------------------------------------------------------
-
-
-def plot(data: dict[str, Any], path: Path) -> None:
-    """Per-epoch time of each arm with pt-ray's plan changes marked, and speedup vs bound."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, s = data["per_epoch"], data["summary"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8), width_ratios=[3, 1.8])
-    epochs = [r["epoch"] + 1 for r in rows]
-    styles = {"baseline": ("tab:gray", "baseline (no freeze, K=2, R=1)"),
-              "freeze-only": ("tab:olive", "freeze only (K, R pinned)"),
-              "pt-ray": ("tab:blue", "pt-ray (freezing)"),
-              "cache": ("tab:purple", "pt-ray + cache"),
-              "dp": ("tab:green", "dp (no freeze, K=1)")}
-    for arm in data["arms"]:
-        colour, label = styles[arm]
-        ax.plot(epochs, [r[f"{arm}_s"] for r in rows], "o-", color=colour, label=label, ms=4)
-    top = max(max(r[f"{a}_s"] for a in data["arms"]) for r in rows)
-    prev, level = None, 0
-    for r in rows:
-        key = (r["num_frozen"], r["pipeline_length"], r["num_replicas"], r["num_microbatches"])
-        if key != prev:
-            ax.axvline(r["epoch"] + 0.5, color="tab:blue", alpha=0.25, lw=1)
-            # Staggered heights so that changes in consecutive epochs stay readable.
-            ax.annotate(f"n={key[0]} K={key[1]}\nR={key[2]} M={key[3]}",
-                        (r["epoch"] + 0.6, top * (1.03 + 0.14 * (level % 3))), fontsize=7,
-                        color="tab:blue", va="bottom")
-            prev, level = key, level + 1
-    ax.set_ylim(0, top * 1.5)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("training time per epoch (s, median over repeats)")
-    ax.set_title("per-epoch training time; pt-ray's plan (frozen n, K, R, M) marked")
-    ax.legend(loc="lower left", fontsize=8)
-
-    short = {"freeze-only": "freeze\nonly", "pt-ray": "pt-ray\n(train)",
-             "cache": "+ cache\n(train)", "dp": "dp\n(train)"}
-    arms = [r for r in s["ablation"] if r["arm"] != "baseline"]
-    names = [short[r["arm"]] for r in arms] + ["pt-ray\n(wall)", "ideal\nbound"]
-    values = [r["speedup"] for r in arms] + [s["wall_time_ratio"], s["ideal_bound"]]
-    colours = [styles[r["arm"]][0] for r in arms] + ["tab:cyan", "tab:orange"]
-    if "speedup_vs_dp" in s:
-        names.insert(len(arms), "pt-ray over\ndp (train)")
-        values.insert(len(arms), s["speedup_vs_dp"])
-        colours.insert(len(arms), "tab:green")
-    bars = bx.bar(names, values, color=colours)
-    for b, v in zip(bars, values):
-        bx.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}x", ha="center", va="bottom",
-                fontsize=8)
-    bx.axhline(AIM_FRACTION * s["ideal_bound"], color="tab:orange", ls="--", lw=1,
-               label=f"{AIM_FRACTION:.0%} of bound")
-    bx.axhline(1.0, color="black", lw=0.8)
-    bx.set_ylabel("speedup over baseline")
-    bx.set_title(f"{s['fraction_of_bound']:.0%} of bound; acc {s['accuracy_diff_points']:+.2f} pt",
-                 fontsize=10)
-    bx.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def table(data: dict[str, Any]) -> str:
-    """The key figures as plain text."""
-    s = data["summary"]
-    acc = data["metric_name"]
-    lines = [
-        f"command: {data['command']}",
-        f"pt_ray: {data['source']['pt_ray_path']}"
-        + (f" (commit {data['source']['commit'][:10]}"
-           + (", with uncommitted changes" if data["source"].get("uncommitted_changes") else "")
-           + ")" if data["source"].get("commit") else "")
-        + (f"; {data['source']['label']}" if data["source"].get("label") else ""),
-        f"epochs {data['epochs']}, repeats {data['repeats']}, engine {data['engine']}, "
-        f"N {data['num_workers']}; baseline (K, R, M) {s['baseline_plan']}",
-        "",
-        f"{'arm':<12}{'train s':>9}{'eval s':>8}{'start s':>9}{'between s':>11}{'wall s':>9}"
-        f"{acc:>10}",
-    ]
-    for arm in data["arms"]:
-        recs = data["runs"][arm]
-        split = [r["overhead_split"] for r in recs if "startup_s" in r["overhead_split"]]
-
-        def part(key: str) -> str:
-            return f"{_med([x[key] for x in split]):.1f}" if split else "?"
-
-        lines.append(
-            f"{arm:<12}{_med([r['train_time_s'] for r in recs]):>9.1f}"
-            f"{_med([r['eval_time_sum_s'] for r in recs]):>8.1f}"
-            f"{part('startup_s'):>9}{part('between_epochs_s'):>11}"
-            f"{_med([r['wall_time_s'] for r in recs]):>9.1f}"
-            f"{_med([r['final_accuracy'] for r in recs]):>10.4f}"
-        )
-    lines += [
-        "",
-        f"speedup (train time, baseline / pt-ray)  {s['speedup']:.2f}x"
-        f"   per repeat {', '.join(f'{x:.2f}' for x in s['speedup_per_repeat'])}",
-        f"speedup of fastest runs (min / min)      {s['speedup_of_minimums']:.2f}x",
-        f"speedup, each epoch's fastest repeat     {s['speedup_best_epochs']:.2f}x",
-        f"wall-time ratio                          {s['wall_time_ratio']:.2f}x",
-        f"ideal bound                              {s['ideal_bound']:.2f}x"
-        f"   (uncached {s['ideal_bound_uncached']:.2f}, fully cached "
-        f"{s['ideal_bound_cached']:.2f})",
-        f"fraction of bound                        {s['fraction_of_bound']:.0%}"
-        f"   (aim {AIM_FRACTION:.0%}: {'met' if s['meets_fraction_aim'] else 'not met'})",
-        f"accuracy difference                      {s['accuracy_diff_points']:+.2f} points"
-        f"   (aim within {AIM_ACCURACY_POINTS:g}: "
-        f"{'met' if s['meets_accuracy_aim'] else 'not met'})",
-        f"same-plan epochs ratio (noise; ideal 1)  "
-        + (f"{s['same_plan_ratio']:.2f}   per repeat "
-           f"{', '.join(f'{x:.2f}' for x in s['same_plan_ratio_per_repeat'])}"
-           if s["same_plan_ratio"] is not None else "n/a"),
-    ]
-    if s.get("speedup_adjusted_for_same_plan") is not None:
-        adj = s["speedup_adjusted_for_same_plan"]
-        lines.append(f"speedup / same-plan ratio (heuristic)    {adj:.2f}x"
-                     f"   ({adj / s['ideal_bound']:.0%} of bound)")
-    if "speedup_vs_dp" in s:
-        lines += [
-            f"dp (K=1, no freeze) over baseline        {s['speedup_dp_over_baseline']:.2f}x",
-            f"pt-ray over dp                           {s['speedup_vs_dp']:.2f}x"
-            f"   ({s['fraction_of_bound_vs_dp']:.0%} of bound)",
-        ]
-    lines += ["", "ablation (speedup in training time over the baseline, side by side):",
-              f"{'':<42}{'speedup':>8}{'wall':>7}{'bound':>7}{'of bound':>9}{acc:>10}"
-              f"{'frozen':>8}"]
-    for r in s["ablation"]:
-        lines.append(f"{r['label']:<42}{r['speedup']:>7.2f}x{r['wall_time_ratio']:>6.2f}x"
-                     f"{r['ideal_bound']:>6.2f}x{r['fraction_of_bound']:>9.0%}"
-                     f"{r['accuracy']:>10.4f}{r['max_frozen']:>8}")
-    if "prefix_cost" in s:
-        pc = s["prefix_cost"]
-        per = ", ".join(f"e{p['epoch']} {p['ratio']:.0%} ({p['hit_rate']:.0%} hits)"
-                        for p in pc["per_epoch"])
-        lines.append(
-            "frozen prefix per sample with the cache, over without: "
-            + (f"steady state median {pc['steady_median']:.1%}, max {pc['steady_max']:.1%} "
-               f"over {pc['steady_epochs']} epochs (aim at most {AIM_PREFIX_COST:.0%}: "
-               f"{'met' if pc['meets_aim'] else 'not met'})" if pc["steady_epochs"]
-               else "no steady-state epoch (the cache never served a whole epoch)"))
-        if per:
-            lines.append(f"  per epoch: {per}")
-    lines += ["", "by pt-ray plan (summed epoch times, s):",
-              f"{'n':>3}{'K':>3}{'R':>3}{'M':>4}{'epochs':>8}{'baseline':>10}{'pt-ray':>9}"
-              + (f"{'dp':>8}" if "dp" in data["arms"] else "")
-              + f"{'ratio':>8}{'ideal':>8}"]
-    for g in data["by_plan"]:
-        lines.append(
-            f"{g['num_frozen']:>3}{g['pipeline_length']:>3}{g['num_replicas']:>3}"
-            f"{g['num_microbatches']:>4}{g['epochs']:>8}{g['baseline_s']:>10.2f}"
-            f"{g['pt-ray_s']:>9.2f}"
-            + (f"{g['dp_s']:>8.2f}" if "dp" in data["arms"] else "")
-            + f"{g['ratio']:>8.2f}{g['ideal_ratio']:>8.2f}"
-        )
-    if s["note"]:
-        lines += ["", f"NOTE: {s['note']}"]
-    return "\n".join(lines)
-
-
-def write_report(data: dict[str, Any], out: Path) -> None:
-    """Derive the figures from ``data["runs"]``, write the JSON and PNG, print the table."""
-    runs = data["runs"]
-    data["per_epoch"] = per_epoch(runs)
-    data["by_plan"] = by_plan(runs, data["per_epoch"])
-    data["summary"] = summarise(runs, data.get("cache_mode", "off"))
-    data = {k: v for k, v in data.items() if k != "runs"} | {"runs": runs}  # runs last
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(data, indent=2))
-    plot(data, out / "compare.png")
-    print()
-    print(table(data))
-    print(f"\nwrote {out / 'compare.json'} and {out / 'compare.png'}")

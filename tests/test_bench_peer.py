@@ -1,5 +1,6 @@
-"""The benchmark's peer: bench/peer_ddp.py (plain Ray Train DDP) trains the model pt-ray builds
-for the same config, with pt-ray's steps per epoch, and reports what bench/compare.py reads."""
+"""The benchmark's peer and headline: bench/peer_ddp.py (plain Ray Train DDP) trains the model
+pt-ray builds for the same config, with pt-ray's steps per epoch, and reports what
+bench/compare.py reads; the report turns runs into pt-ray over the peer and a wall-time split."""
 
 from __future__ import annotations
 
@@ -81,3 +82,68 @@ def test_peer_trains_pt_rays_model_and_reports_each_epoch(ray_cluster, tmp_path)
     assert sum(v.numel() for v in saved.values()) == sum(v.numel() for v in own.values())
     assert not torch.equal(saved["head.weight"], own["head.weight"])
 
+
+def _run(train, call, acc, evals, gaps, startup=8.0, teardown=2.0, **extra):
+    """A compare.py record with the fields the report reads (times in s)."""
+    timeline = [{"epoch": e, "epoch_time_s": train / len(evals), "transition_time_s": 0.0,
+                 "eval_time_s": ev, "num_frozen": 0, "num_layers": 4, "pipeline_length": 1,
+                 "num_replicas": 2, "num_microbatches": 1} for e, ev in enumerate(evals)]
+    return {"train_time_s": train, "fit_call_s": call, "wall_time_s": call,
+            "eval_time_sum_s": sum(evals), "final_accuracy": acc, "restarts": 0,
+            "timeline": timeline,
+            "overhead_split": {"startup_s": startup, "between_epochs_each_s": gaps,
+                               "between_epochs_s": sum(gaps), "teardown_s": teardown},
+            **extra}
+
+
+@pytest.mark.unit
+def test_checkpoint_times_split_a_run_into_startup_epochs_and_teardown():
+    import compare  # bench/compare.py
+
+    timeline = [{"epoch_time_s": 3.0, "transition_time_s": 0.5, "eval_time_s": 0.5}] * 3
+    split = compare.time_split(100.0, 125.0, [112.0, 117.5, 122.0], timeline)
+    # Each epoch's work is 4 s: start-up is the first checkpoint less its epoch, and the gaps
+    # are what each later epoch took beyond its work (checkpoint, report).
+    assert split["startup_s"] == pytest.approx(8.0)
+    assert split["between_epochs_each_s"] == pytest.approx([1.5, 0.5])
+    assert split["teardown_s"] == pytest.approx(3.0)
+    assert compare.time_split(100.0, 125.0, [112.0], timeline) == {"checkpoints_seen": 1}
+
+
+@pytest.mark.unit
+def test_headline_is_pt_ray_over_the_peer_with_the_engine_tax_and_overheads():
+    import compare_report
+
+    runs = {
+        "pt-ray": [_run(20.0, 60.0, 0.970, [1.0, 1.0, 1.0], [0.5, 0.7], ideal_bound=1.6)],
+        "dp": [_run(31.2, 80.0, 0.975, [1.0, 1.0, 1.0], [0.5, 0.5])],
+        "peer": [_run(30.0, 75.0, 0.975, [0.5, 0.5, 0.5], [0.2, 0.2], startup=6.0)],
+    }
+    parts = compare_report.breakdown(runs)
+    # One epoch after the first: its evaluation plus the gap before the next checkpoint.
+    assert parts["pt-ray"]["per_epoch_overhead_s"] == pytest.approx(1.6)
+    assert parts["peer"]["per_epoch_overhead_s"] == pytest.approx(0.7)
+    head = compare_report.against_peer(runs, parts)
+    assert head["speedup_vs_peer"] == pytest.approx(1.5)
+    assert head["wall_ratio_vs_peer"] == pytest.approx(1.25) and head["meets_peer_wall_aim"]
+    assert head["fraction_of_bound_vs_peer"] == pytest.approx(1.5 / 1.6)
+    assert head["accuracy_diff_vs_peer_points"] == pytest.approx(-0.5)
+    assert head["engine_tax_k1"] == pytest.approx(0.04) and head["meets_engine_tax_aim"]
+    assert not head["meets_overhead_aim"]  # pt-ray starts slower and pays more per epoch
+
+
+@pytest.mark.unit
+def test_sparse_checkpoints_split_the_time_between_them_per_epoch():
+    import compare  # bench/compare.py
+    import compare_report
+
+    timeline = [{"epoch_time_s": 3.0, "transition_time_s": 0.0, "eval_time_s": 1.0}] * 4
+    # Checkpoints after epochs 1 and 3 (checkpoint_every=2): 8 s of work before each.
+    split = compare.time_split(0.0, 30.0, [10.0, 21.0], timeline, [1, 3])
+    assert split["startup_s"] == pytest.approx(2.0)
+    assert split["between_epochs_each_s"] == pytest.approx([3.0])
+    run = _run(12.0, 30.0, 0.9, [1.0] * 4, [3.0])
+    run["overhead_split"] = split
+    # Epochs 2-3: 2 s of evaluation and 3 s besides, over two epochs.
+    assert compare_report.breakdown({"peer": [run]})["peer"]["per_epoch_overhead_s"] == \
+        pytest.approx(2.5)
