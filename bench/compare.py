@@ -67,8 +67,8 @@ ARM_OVERRIDES: dict[str, list[str]] = {
     "peer": [],
 }
 """What each arm adds to the config (and ``--set``); the arms run in this order. The peer reads
-only the model, data, optimizer, epochs, seed, ``pipeline.num_workers`` and
-``cpus_per_worker``."""
+only the model, data, optimizer, epochs, seed, ``eval_every``, ``checkpoint_every``,
+``pipeline.num_workers`` and ``cpus_per_worker``."""
 
 
 # -- running -----------------------------------------------------------------------------------
