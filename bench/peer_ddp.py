@@ -61,7 +61,10 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.batch_policy != "fixed_global":
         raise ValueError(f"batch_policy={cfg.batch_policy}: the peer arm keeps the global batch "
                          "fixed (data.batch_size / N per worker); use batch_policy=fixed_global")
-    if cfg.pipeline.use_gpu is True or cfg.precision not in ("auto", "fp32"):
+    # With use_gpu=auto on a host with a GPU, pt-ray would train on it and the peer would not.
+    gpu = cfg.pipeline.use_gpu is True or (cfg.pipeline.use_gpu == "auto"
+                                           and torch.cuda.is_available())
+    if gpu or cfg.precision not in ("auto", "fp32"):
         raise ValueError(f"pipeline.use_gpu={cfg.pipeline.use_gpu}, precision={cfg.precision}: "
                          "the peer arm trains on CPUs in fp32; set pipeline.use_gpu=false and "
                          "precision=fp32, or run with --no-peer-arm")

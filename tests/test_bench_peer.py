@@ -31,7 +31,7 @@ def tiny_config(tmp_path, **extra):
         # give each of 2 workers 256 samples, 16 batches of 16.
         "data": {"name": "synthetic_image", "num_samples": 511, "image_size": 8,
                  "batch_size": 32, "num_classes": NUM_CLASSES},
-        "pipeline": {"num_workers": 2},
+        "pipeline": {"num_workers": 2, "use_gpu": False},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.1},
         "epochs": 1,
         "output_dir": str(tmp_path),
@@ -45,6 +45,7 @@ def tiny_config(tmp_path, **extra):
       "data": {"name": "synthetic_text", "batch_size": 32}}, r"model\.family=hf"),
     ({"batch_policy": "per_replica"}, r"batch_policy=per_replica"),
     ({"precision": "bf16"}, r"precision=bf16"),
+    ({"pipeline": {"num_workers": 2, "use_gpu": True}}, r"use_gpu=True"),
 ])
 def test_peer_refuses_what_it_cannot_run_like_for_like(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
