@@ -9,12 +9,14 @@ one order) to spread machine noise over all. The figures are ratios; absolute ti
 2-core machine are not.
 
 Arms:
-  baseline     the paper's baseline: the config with ``freeze.policy=none`` (K stays at its
-               initial value, 2 on the CPU testbed, R = 1, for the whole run)
+  baseline     the paper's baseline: the config with ``freeze.policy=none`` and
+               ``pipeline.pipeline_length=N`` (one pipeline over all N workers, R = 1, for the
+               whole run)
   freeze-only  optional (``--ablation``): freezing on, ``pipeline.elastic=false`` and the cache
                off: K and R stay (the frozen prefix moves onto stage 0, at most L - K blocks
                freeze)
-  pt-ray       the config as given (AutoFreeze on: K = 2 -> 1, R = 1 -> 2 as blocks freeze;
+  pt-ray       the config as given (AutoFreeze on; K starts where the cost model predicts
+               fastest, K = 1 and R = N for a model that fits one device, and only shrinks;
                the default config keeps the cache off: freeze + AutoPipe + AutoDP)
   cache        the config with ``cache.mode=on``: all four mechanisms (``--no-cache-arm``)
   dp           pt-ray without freezing at K=1: ``freeze.policy=none`` with
@@ -59,7 +61,7 @@ from peer_ddp import check_config, run_peer  # noqa: E402
 from pt_ray.api import default_config_path, fit, resolve_config  # noqa: E402
 
 ARM_OVERRIDES: dict[str, list[str]] = {
-    "baseline": ["freeze.policy=none"],
+    "baseline": ["freeze.policy=none"],  # and pipeline_length=N, set in run_arm
     "freeze-only": ["pipeline.elastic=false", "cache.mode=off"],
     "pt-ray": [],
     "cache": ["cache.mode=on"],
@@ -197,6 +199,10 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
     """
     name = f"{arm}-{repeat}"
     ovr = [*overrides, *ARM_OVERRIDES[arm], f"name=bench-{name}"]
+    if arm == "baseline":
+        # The paper's baseline is one pipeline over all N workers (pt-ray itself starts at the
+        # K its cost model predicts fastest, K = 1 for a model that fits one device).
+        ovr.append(f"pipeline.pipeline_length={resolve_config(config, ovr).pipeline.num_workers}")
     run_dir = out / "runs" / name
     print(f"[compare] {name}: start ({time.strftime('%H:%M:%S')}, "
           f"load {os.getloadavg()[0]:.2f})", flush=True)

@@ -145,8 +145,11 @@ class PipelineConfig(_Section):
     num_workers: int = Field(default=2, gt=0)
     """N: training workers, one per device."""
     pipeline_length: int | Literal["auto"] = "auto"
-    """Initial K, the pipeline stages per replica; a divisor of ``num_workers``. ``auto``: one
-    pipeline over all workers (K = N, as the paper starts)."""
+    """Initial K, the pipeline stages per replica; a divisor of ``num_workers``. ``auto``: with
+    ``policy=cost``, the K the cost model predicts fastest among those whose stages fit one
+    device's memory (a model that fits one device starts as N data-parallel replicas); with
+    ``policy=paper`` or ``elastic=false``, one pipeline over all workers (K = N, as the paper
+    starts)."""
     num_microbatches: int | Literal["auto"] = "auto"
     """M, micro-batches per replica per step; ``auto``: chosen per K by the planner."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"

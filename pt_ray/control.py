@@ -337,9 +337,13 @@ def build_control_state(
                            memory_budget=budget,
                            cache_from=_paper_cache_from(cfg, cache.mode, costs, hw),
                            elastic=p.elastic)
+        # pipeline_length=auto: the start K the cost model predicts fastest among those whose
+        # stages fit a device (a model that fits one device need not start as a pipeline).
+        choose_start = p.pipeline_length == "auto" and p.elastic
         planner = CostModelPlanner(
             num_workers, costs, hw, batch_size=cfg.data.batch_size,
-            batch_policy=cfg.batch_policy, schedule=p.schedule, initial_pipeline_length=k0,
+            batch_policy=cfg.batch_policy, schedule=p.schedule,
+            initial_pipeline_length=None if choose_start else k0,
             num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
             cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
         )

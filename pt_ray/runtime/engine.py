@@ -270,7 +270,8 @@ class ElasticWorker:
         if self._ddp is None:  # DDP reduced them during backward
             all_reduce_grads(self.comm, params, topo.dp_group, r)
         blocks = range(plan.boundaries[topo.stage], plan.boundaries[topo.stage + 1])
-        norms = block_grad_norms(self.adapter, blocks)
+        # Per-block norms feed freeze decisions only: a run that never freezes skips them.
+        norms = {} if cfg.freeze.policy == "none" else block_grad_norms(self.adapter, blocks)
         total = clip_grad_norm(self.comm, params, cfg.optimizer.grad_clip, topo.pipeline_group,
                                inv_scale=1.0 / scale)
         self.global_step += 1
