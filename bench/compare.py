@@ -156,8 +156,7 @@ class CheckpointWatcher:
 
 def checkpoint_epochs(cfg: Any) -> list[int]:
     """The epochs that end with a checkpoint: every ``checkpoint_every`` epochs and the last."""
-    return [e for e in range(cfg.epochs)
-            if (e + 1) % cfg.checkpoint_every == 0 or e == cfg.epochs - 1]
+    return [e for e in range(cfg.epochs) if cfg.checkpoints_after(e)]
 
 
 def time_split(start: float, end: float, ends: list[float], timeline: list[dict],

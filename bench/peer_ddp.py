@@ -44,7 +44,7 @@ from pt_ray.config import RunConfig
 from pt_ray.data.base import SampleDataset
 from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.optim import lr_factor
-from pt_ray.runtime.reference import build_model_for, evaluates
+from pt_ray.runtime.reference import build_model_for
 
 __all__ = ["PeerRun", "check_config", "run_peer", "train_loop_per_worker"]
 
@@ -89,11 +89,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": rest, "weight_decay": 0.0}]
-
-
-def _checkpoints(cfg: RunConfig, epoch: int) -> bool:
-    """pt-ray's checkpoint cadence: every ``checkpoint_every`` epochs and after the last one."""
-    return (epoch + 1) % cfg.checkpoint_every == 0 or epoch == cfg.epochs - 1
 
 
 @torch.no_grad()
@@ -157,7 +152,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         train_time = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        scored = evaluates(cfg, epoch)
+        scored = cfg.evaluates_after(epoch)
         correct = _correct(model, eval_loader) if scored else 0
         sums = torch.tensor([float(correct), float(loss_sum)], dtype=torch.float64)
         times = torch.tensor([train_time], dtype=torch.float64)
@@ -182,7 +177,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "eval_time_s": eval_time,
         })
         metrics = {**history[-1], "metric_name": adapter.metric_name, "history": list(history)}
-        if not _checkpoints(cfg, epoch):
+        if not cfg.checkpoints_after(epoch):
             ray.train.report(metrics)  # a barrier: every rank reports
             continue
         with tempfile.TemporaryDirectory() as tmp:

@@ -378,6 +378,16 @@ class RunConfig(_Section):
             )
         return self
 
+    def evaluates_after(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` (0-based) ends with an evaluation: every ``eval_every``
+        epochs and after the last one."""
+        return (epoch + 1) % self.eval_every == 0 or epoch == self.epochs - 1
+
+    def checkpoints_after(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` (0-based) ends with a checkpoint: every
+        ``checkpoint_every`` epochs and after the last one."""
+        return (epoch + 1) % self.checkpoint_every == 0 or epoch == self.epochs - 1
+
     def run_dir(self) -> Path:
         """Folder this run writes to."""
         return self.output_dir / self.name

@@ -69,3 +69,11 @@ def test_config_is_frozen():
     cfg = RunConfig()
     with pytest.raises(Exception):
         cfg.epochs = 3  # type: ignore[misc]
+
+
+def test_eval_and_checkpoint_cadence_rule():
+    cfg = build_config({"epochs": 7, "eval_every": 3, "checkpoint_every": 2})
+    assert [e for e in range(7) if cfg.evaluates_after(e)] == [2, 5, 6]
+    assert [e for e in range(7) if cfg.checkpoints_after(e)] == [1, 3, 5, 6]
+    every = build_config({"epochs": 3})
+    assert all(every.evaluates_after(e) and every.checkpoints_after(e) for e in range(3))

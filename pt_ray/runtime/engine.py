@@ -60,7 +60,7 @@ from pt_ray.runtime.optim import (
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
-from pt_ray.runtime.reference import GradNormMeter, block_grad_norms, evaluates
+from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
 from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology
@@ -349,7 +349,7 @@ class ElasticWorker:
         # After this reduction every rank's cache writes have landed.
         cache = self.comm.reduce_values(epoch_counters(self.prefix))
         held = store_figures(self.prefix, self.rank)
-        metric, eval_time = self.evaluate() if evaluates(cfg, epoch) else (float("nan"), 0.0)
+        metric, eval_time = self.evaluate() if cfg.evaluates_after(epoch) else (float("nan"), 0.0)
         totals = self.comm.reduce_values([float(loss_sum), *held])
         times = self.comm.reduce_values([epoch_time, transition], op="max")
         rec = EpochRecord(

@@ -50,7 +50,7 @@ from pt_ray.runtime.optim import (
 )
 from pt_ray.summary import EpochRecord
 
-__all__ = ["GradNormMeter", "ReferenceTrainer", "build_model_for", "evaluate", "evaluates"]
+__all__ = ["GradNormMeter", "ReferenceTrainer", "build_model_for", "evaluate"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +97,6 @@ class GradNormMeter:
     def reset(self) -> None:
         self.sums.clear()
         self.steps = 0
-
-
-def evaluates(cfg: RunConfig, epoch: int) -> bool:
-    """Whether epoch ``epoch`` (0-based) ends with an evaluation: every ``eval_every`` epochs
-    and after the last one."""
-    return (epoch + 1) % cfg.eval_every == 0 or epoch == cfg.epochs - 1
 
 
 def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, torch.Tensor]:
@@ -292,7 +286,7 @@ class ReferenceTrainer:
         train_time = time.perf_counter() - t0
         t1 = time.perf_counter()
         metric = float("nan")
-        if evaluates(cfg, epoch):
+        if cfg.evaluates_after(epoch):
             metric = evaluate(
                 self.adapter, self.splits, cfg.data.eval_batch_size or cfg.data.batch_size,
                 cfg.data.num_workers, self.precision,

@@ -147,7 +147,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if rank == 0:
             progress.end_epoch()
             logger.info(format_epoch(rec, cfg.epochs, adapter.metric_name))
-        if (epoch + 1) % cfg.checkpoint_every and epoch != cfg.epochs - 1:
+        if not cfg.checkpoints_after(epoch):
             ray.train.report(metrics)  # a barrier too: every rank reports
             continue
         nxt = worker.resume_decision()
