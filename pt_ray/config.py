@@ -124,15 +124,32 @@ class DataConfig(_Section):
 class FreezeConfig(_Section):
     """AutoFreeze: when leading blocks stop training."""
 
-    policy: Literal["paper", "schedule", "none"] = "paper"
-    """``paper``: gradient-norm convergence bounded by alpha; ``schedule``: the 2021 code's
-    geometric schedule ``n(e) = ceil(L (1 - (1 - alpha)^e))``; ``none``: never freeze."""
+    policy: Literal["converged", "paper", "schedule", "none"] = "converged"
+    """``converged``: freeze a leading block only once its gradient norm has converged (see
+    ``converge_ratio``), at most alpha of the active blocks per decision; ``paper``: the
+    PipeTransformer paper's rule (the block whose norm fell most relative to its first is taken
+    as converged, bounded by alpha); ``schedule``: the 2021 code's geometric schedule
+    ``n(e) = ceil(L (1 - (1 - alpha)^e))``; ``none``: never freeze."""
     alpha: float = Field(default=1 / 3, gt=0, le=1)
     """Freeze threshold: at most this fraction of the still-active blocks freezes per decision."""
     max_frozen: int | None = Field(default=None, ge=0)
     """Most blocks that may ever be frozen (default: L - 1, so one block keeps training)."""
-    warmup_epochs: int = Field(default=1, ge=0)
-    """Epochs at the start during which nothing freezes."""
+    warmup_epochs: int | Literal["auto"] = "auto"
+    """Epochs at the start during which nothing freezes; ``auto``: a tenth of the run's epochs
+    (rounded up), so a long run waits longer."""
+    converge_ratio: float = Field(default=0.3, gt=0, lt=1)
+    """``converged`` only: a block has converged when its gradient norm has stayed at or below
+    this fraction of the largest norm it has had, for ``converge_window`` decisions."""
+    converge_window: int = Field(default=2, ge=1)
+    """``converged`` only: consecutive decisions the convergence test must hold for."""
+    guard_points: float | None = Field(default=1.0, ge=0)
+    """Accuracy guard: when the first evaluation after a freeze is more than this many points
+    (100 x the metric) below the last one before it, freezing stops for the rest of the run;
+    ``null`` turns the guard off."""
+    rollback: bool = False
+    """With the guard's verdict, return to the state at the start of the harmful freeze's first
+    epoch (kept in memory at each freeze) and train on from there with that block active. Needs
+    ``interval=epoch``."""
     interval: Literal["epoch", "steps"] = "epoch"
     """Decide at every epoch boundary, or every ``interval_steps`` optimizer steps."""
     interval_steps: int = Field(default=100, gt=0)
@@ -340,8 +357,23 @@ class RunConfig(_Section):
     output_dir: Path = Path("runs")
     """Folder under which the run writes ``<name>/config.yaml``, ``summary.json`` and more."""
 
+    @property
+    def warmup_epochs(self) -> int:
+        """``freeze.warmup_epochs`` resolved: ``auto`` is a tenth of the epochs, rounded up."""
+        w = self.freeze.warmup_epochs
+        return -(-self.epochs // 10) if w == "auto" else w
+
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RunConfig:
+        f = self.freeze
+        if f.rollback and f.interval != "epoch":
+            raise ValueError(
+                "freeze.rollback=true needs freeze.interval=epoch (a rollback returns to the "
+                "start of an epoch); set freeze.interval=epoch or freeze.rollback=false")
+        if f.rollback and f.guard_points is None:
+            raise ValueError(
+                "freeze.rollback=true needs the accuracy guard; set freeze.guard_points (e.g. 1.0) "
+                "or freeze.rollback=false")
         if self.freeze.max_frozen is not None and self.model.depth is not None:
             if self.freeze.max_frozen > self.model.depth:
                 raise ValueError(

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from statistics import median
 from typing import Any, Literal
 
 from pt_ray.config import RunConfig
 from pt_ray.costplan import CostModelPlanner, cache_break_even
-from pt_ray.freeze import FreezePolicy, build_freeze_policy
+from pt_ray.freeze import FreezeGuard, FreezePolicy, build_freeze_policy
 from pt_ray.hwprofile import HardwareProfile, load_hardware
 from pt_ray.plan import CostTable, LayerCost, Plan, Planner
 from pt_ray.summary import EpochRecord
@@ -127,6 +127,11 @@ class ControlState:
         policy: the freeze policy (L from the model).
         make_planner: builds the planner once the merged cost table is known.
         decision_label: how log lines name a decision point (``"epoch"`` or ``"interval"``).
+        guard: the accuracy guard, fed each epoch's record (default: off).
+
+    With ``interval=epoch``, decision ``d`` opens epoch ``d`` until a rollback: the plan that
+    orders one (``rollback_to = q``) opens epoch ``q`` again, and the decisions after it open
+    the epochs after ``q`` in turn.
     """
 
     def __init__(
@@ -135,9 +140,11 @@ class ControlState:
         policy: FreezePolicy,
         make_planner: Callable[[CostTable], Planner],
         decision_label: str = "epoch",
+        guard: FreezeGuard | None = None,
     ) -> None:
         self.num_workers = num_workers
         self.policy = policy
+        self.guard = guard or FreezeGuard(points=None)
         self.make_planner = make_planner
         self.decision_label = decision_label
         self.planner: Planner | None = None
@@ -145,6 +152,8 @@ class ControlState:
         self.plans: dict[int, Plan] = {}
         self.timeline: list[EpochRecord] = []
         self.decisions: list[dict[str, Any]] = []
+        self.rollbacks: list[dict[str, Any]] = []
+        self.discarded: list[EpochRecord] = []
         self._cost_tables: dict[int, CostTable] = {}
         self._norms: dict[int, dict[int, dict[int, float]]] = {}
 
@@ -182,9 +191,14 @@ class ControlState:
             self._decide(decision + 1, merged)
 
     def record(self, rec: EpochRecord) -> None:
-        """Append (or replace, after a restart) one epoch of the timeline."""
+        """Append (or replace, after a restart) one epoch of the timeline, and show it to the
+        accuracy guard. Every rank's records must arrive before its norms for the next
+        decision, so that the guard's verdict takes effect there."""
         self.timeline = [r for r in self.timeline if r.epoch != rec.epoch] + [rec]
         self.timeline.sort(key=lambda r: r.epoch)
+        verdict = self.guard.observe(rec.epoch, rec.num_frozen, rec.eval_metric)
+        if verdict is not None:
+            logger.warning("accuracy guard: %s", verdict.describe())
 
     # -- outputs -------------------------------------------------------------------------------
 
@@ -195,7 +209,12 @@ class ControlState:
     def _decide(self, decision: int, norms: dict[int, float]) -> None:
         assert self.planner is not None, "norms arrived before costs"
         prev = self.plans[decision - 1]
-        result = self.policy.decide(decision, prev.num_frozen, norms)
+        verdict = self.guard.verdict
+        if verdict is not None and verdict.rollback and not self.rollbacks:
+            self._roll_back(decision, prev)
+            return
+        result = self.guard.hold(self.policy.decide(decision, prev.num_frozen, norms),
+                                 prev.num_frozen)
         plan = self.planner.next_plan(prev, result.num_frozen)
         self.plans[decision] = plan
         self.decisions.append(
@@ -205,6 +224,28 @@ class ControlState:
         if plan is not prev:
             logger.info("%s (%s)", transition_line(f"{self.decision_label} {decision}", prev,
                                                    plan), result.reason)
+
+    def _roll_back(self, decision: int, prev: Plan) -> None:
+        """Order the guard's rollback: decision ``decision`` reopens the harmful freeze's first
+        epoch with the layout that trained the epoch before it (a new generation)."""
+        v = self.guard.verdict
+        q = v.freeze_epoch
+        # No rollback has happened yet, so decision q - 1 opened epoch q - 1.
+        base = self.plans[max(d for d in self.plans if d <= q - 1)]
+        plan = replace(base, generation=prev.generation + 1, rollback_to=q)
+        self.plans[decision] = plan
+        self.discarded += [r for r in self.timeline if r.epoch >= q]
+        self.timeline = [r for r in self.timeline if r.epoch < q]
+        entry = {"decision": decision, "epoch": v.epoch, "rollback_to": q,
+                 "num_frozen": plan.num_frozen, "undone": prev.num_frozen,
+                 "before": v.before, "after": v.after}
+        self.rollbacks.append(entry)
+        self.decisions.append(
+            {"decision": decision, "num_frozen": plan.num_frozen, "bound": plan.num_frozen,
+             "reason": f"rollback: {v.describe()}", "generation": plan.generation})
+        logger.warning("%s: rollback to the start of epoch %d (%s)",
+                       transition_line(f"{self.decision_label} {decision}", prev, plan), q,
+                       v.describe())
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -217,6 +258,9 @@ class ControlState:
             "timeline": [asdict(r) for r in self.timeline],
             "decisions": list(self.decisions),
             "policy": policy_state() if policy_state else None,
+            "guard": self.guard.state_dict(),
+            "rollbacks": list(self.rollbacks),
+            "discarded": [asdict(r) for r in self.discarded],
         }
 
     def resume(self, state: Mapping[str, Any], next_decision: int) -> Plan:
@@ -259,6 +303,10 @@ class ControlState:
         self.decisions = list(state["decisions"])
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
             self.policy.load_state_dict(state["policy"])
+        if state.get("guard") is not None:
+            self.guard.load_state_dict(state["guard"])
+        self.rollbacks = list(state.get("rollbacks", []))
+        self.discarded = [EpochRecord(**r) for r in state.get("discarded", [])]
 
 
 def start_pipeline_length(cfg: RunConfig, num_layers: int, num_workers: int) -> int:
@@ -273,14 +321,14 @@ def start_pipeline_length(cfg: RunConfig, num_layers: int, num_workers: int) -> 
 
 def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
                pinned_length: int | None = None) -> FreezePolicy:
-    """The run's freeze policy. The warm-up is given in epochs; with ``interval=steps`` it is
-    converted to decision points (``ceil(warmup_epochs * steps_per_epoch / interval_steps)``).
+    """The run's freeze policy. The warm-up is given in epochs (``auto``: a tenth of them); with
+    ``interval=steps`` it is converted to decision points (``ceil(warmup_epochs * steps_per_epoch / interval_steps)``).
     With the pipeline pinned at K stages (``pipeline.elastic=false``) at most L - K blocks
     freeze."""
     f = cfg.freeze
-    warmup = f.warmup_epochs
+    warmup = cfg.warmup_epochs
     if f.interval == "steps":
-        warmup = -(-f.warmup_epochs * steps_per_epoch // f.interval_steps)
+        warmup = -(-warmup * steps_per_epoch // f.interval_steps)
     max_frozen = f.max_frozen
     if pinned_length is not None and f.policy != "none":
         cap = num_layers - pinned_length
@@ -291,7 +339,8 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
                         "default" if max_frozen is None else max_frozen, cap)
             max_frozen = cap
     return build_freeze_policy(
-        f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=max_frozen, warmup=warmup
+        f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=max_frozen, warmup=warmup,
+        ratio=f.converge_ratio, window=f.converge_window,
     )
 
 
@@ -353,7 +402,9 @@ def build_control_state(
         return planner
 
     label = "epoch" if cfg.freeze.interval == "epoch" else "interval"
-    return ControlState(num_workers, policy, make_planner, decision_label=label)
+    guard = FreezeGuard(cfg.freeze.guard_points if cfg.freeze.policy != "none" else None,
+                        cfg.freeze.rollback)
+    return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard)
 
 
 def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable,

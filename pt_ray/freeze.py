@@ -4,9 +4,13 @@ Pure module. A policy is asked at each decision point (an epoch boundary, or eve
 returns the new length of the frozen prefix; it never acts. The frozen prefix is the embedding
 plus blocks ``0..n-1``; ``n`` never decreases.
 
-Policies (He et al., "PipeTransformer", ICML 2021, Sec. 3.1):
+Policies:
 
-* ``paper``: the paper's rule. With ``n' = n(T-1)``:
+* ``converged`` (the default): freeze only what has converged. A block passes its convergence
+  test when its gradient norm has stayed at or below ``ratio`` of the largest norm it has had
+  for ``window`` consecutive decisions; the frozen prefix grows over the leading blocks that
+  pass (it stays contiguous), by at most ``ceil(alpha * active)`` blocks per decision.
+* ``paper`` (He et al., "PipeTransformer", ICML 2021, Sec. 3.1): the paper's rule. With ``n' = n(T-1)``:
     1. bound ``b = n' + ceil(alpha * (L - n'))`` (the tunable geometric upper bound);
     2. for every active block ``l in [n', L)`` take its gradient norm at T relative to its own
        first recorded norm; the block with the smallest ratio is taken as converged;
@@ -15,6 +19,15 @@ Policies (He et al., "PipeTransformer", ICML 2021, Sec. 3.1):
 * ``none``: never freeze (the baseline).
 
 All honour ``max_frozen`` (default ``L - 1``) and a warm-up during which nothing freezes.
+
+Where ``converged`` and ``paper`` differ: ``paper`` takes the block whose norm fell most
+relative to its first one as converged and freezes everything up to it, bounded by alpha. When
+the deepest block's norm falls fastest, which is common in Vision Transformers trained from
+scratch, that is the alpha schedule whatever the gradients say. ``converged`` asks every block
+to pass its own test, so it freezes later and never while the leading blocks still learn.
+
+:class:`FreezeGuard` watches the eval metric: a drop after a freeze beyond ``guard_points``
+stops all further freezing and (with ``rollback``) names the epoch to return to.
 """
 
 from __future__ import annotations
@@ -25,9 +38,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "ConvergedFreeze",
     "FreezeDecision",
+    "FreezeGuard",
+    "GuardVerdict",
     "FreezePolicy",
     "NoFreeze",
+    "POLICIES",
     "PaperFreeze",
     "ScheduleFreeze",
     "build_freeze_policy",
@@ -185,22 +202,101 @@ class PaperFreeze(_Base):
         self.first_norms = {int(k): float(v) for k, v in state["first_norms"].items()}
 
 
+@dataclass
+class ConvergedFreeze(_Base):
+    """Freezes the leading blocks that have converged, at most alpha of the active ones per
+    decision.
+
+    A block's record is its gradient norm at each decision that saw it. It passes its test when
+    each of its last ``window`` norms was at most ``ratio`` times the largest norm it had had
+    up to then (so a norm that first rises, as when a fresh head starts training on a
+    pretrained body, is measured from its peak, not from its first value).
+
+    Args (beyond the common ones):
+        ratio: the fraction of its peak norm a block's norm must have fallen to.
+        window: consecutive decisions the test must hold for.
+    """
+
+    ratio: float = 0.3
+    window: int = 2
+    name: Literal["converged"] = "converged"
+    history: dict[int, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.ratio < 1:
+            raise ValueError(f"freeze.converge_ratio={self.ratio} must lie in (0, 1)")
+        if self.window < 1:
+            raise ValueError(f"freeze.converge_window={self.window} must be at least 1")
+
+    def converged(self, layer: int) -> bool:
+        """Whether ``layer`` passes its convergence test on the norms seen so far."""
+        seen = self.history.get(layer, [])
+        if len(seen) < self.window + 1:  # the peak must come before the window
+            return False
+        for i in range(len(seen) - self.window, len(seen)):
+            peak = max(seen[:i])
+            if peak <= 0 or seen[i] > self.ratio * peak:
+                return False
+        return True
+
+    def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
+        bound = min(
+            self.num_layers, num_frozen + _ceil(self.alpha * (self.num_layers - num_frozen))
+        )
+        for layer, norm in sorted((grad_norms or {}).items()):
+            if layer >= num_frozen and math.isfinite(norm):
+                self.history.setdefault(layer, []).append(float(norm))
+        if decision < self.warmup:
+            return FreezeDecision(num_frozen, bound, f"warm-up (decision {decision})")
+        passed = num_frozen
+        while passed < self.num_layers and self.converged(passed):
+            passed += 1
+        new = self._clamp(decision, num_frozen, min(bound, passed))
+        if passed == num_frozen:
+            layer = num_frozen
+            seen = self.history.get(layer, [])
+            now = f"{seen[-1] / max(seen):.3f} of its peak" if seen and max(seen) > 0 else "no norm"
+            reason = (f"block {layer} has not converged ({now}; needs <= {self.ratio:g} for "
+                      f"{self.window} decisions)")
+        else:
+            reason = (f"blocks {num_frozen}..{passed - 1} converged (norm <= {self.ratio:g} of "
+                      f"peak for {self.window} decisions); bound {bound}, cap {self.max_frozen}")
+        return FreezeDecision(new, bound, reason)
+
+    def state_dict(self) -> dict[str, dict[int, list[float]]]:
+        """The policy's memory (each block's norm history), for checkpoints."""
+        return {"history": {k: list(v) for k, v in self.history.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[int, Sequence[float]]]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.history = {int(k): [float(x) for x in v] for k, v in state["history"].items()}
+
+
+POLICIES = ("converged", "paper", "schedule", "none")
+"""The freeze policies, the default first."""
+
+
 def build_freeze_policy(
-    policy: Literal["paper", "schedule", "none"],
+    policy: Literal["converged", "paper", "schedule", "none"],
     *,
     num_layers: int,
     alpha: float,
     max_frozen: int | None = None,
     warmup: int = 1,
-) -> PaperFreeze | ScheduleFreeze | NoFreeze:
+    ratio: float = 0.3,
+    window: int = 2,
+) -> ConvergedFreeze | PaperFreeze | ScheduleFreeze | NoFreeze:
     """Build a policy from plain arguments (``num_layers`` comes from the model).
 
     Args:
-        policy: ``paper``, ``schedule`` or ``none``.
+        policy: ``converged``, ``paper``, ``schedule`` or ``none``.
         num_layers: L, the model's block count.
         alpha: the freeze threshold in (0, 1].
         max_frozen: most blocks ever frozen; None means ``L - 1``.
         warmup: decision points at the start during which nothing freezes.
+        ratio: ``converged`` only: the fraction of its peak gradient norm a block must reach.
+        window: ``converged`` only: consecutive decisions the test must hold for.
     """
     cap = num_layers - 1 if max_frozen is None else max_frozen
     if cap > num_layers:
@@ -208,9 +304,13 @@ def build_freeze_policy(
             f"freeze.max_frozen={max_frozen} exceeds the model's {num_layers} blocks; "
             f"choose at most {num_layers}"
         )
-    classes = {"paper": PaperFreeze, "schedule": ScheduleFreeze, "none": NoFreeze}
+    classes = {"converged": ConvergedFreeze, "paper": PaperFreeze, "schedule": ScheduleFreeze,
+               "none": NoFreeze}
     if policy not in classes:
-        raise ValueError(f"freeze.policy={policy!r} is not one of {sorted(classes)}")
+        raise ValueError(f"freeze.policy={policy!r} is not one of {list(POLICIES)}")
+    if policy == "converged":
+        return ConvergedFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap,
+                               warmup=warmup, ratio=ratio, window=window)
     return classes[policy](num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup)
 
 
@@ -229,3 +329,97 @@ def frozen_timeline(
         n = policy.decide(d, n, g).num_frozen
         out.append(n)
     return out
+
+
+@dataclass(frozen=True)
+class GuardVerdict:
+    """What the accuracy guard concluded after a harmful freeze.
+
+    Attributes:
+        epoch: the epoch whose evaluation showed the drop.
+        before: the last eval metric before the freeze.
+        after: the eval metric of ``epoch``.
+        freeze_epoch: the first epoch trained with the harmful freeze (a rollback returns to
+            the state at its start).
+        num_frozen: the frozen-prefix length before that freeze (what a rollback restores).
+        rollback: whether the run returns to the start of ``freeze_epoch``.
+    """
+
+    epoch: int
+    before: float
+    after: float
+    freeze_epoch: int
+    num_frozen: int
+    rollback: bool
+
+    def describe(self) -> str:
+        action = (f"rolling back to the start of epoch {self.freeze_epoch} with "
+                  f"{self.num_frozen} blocks frozen" if self.rollback else
+                  "the blocks already frozen stay frozen")
+        return (f"eval metric fell from {self.before:.4f} to {self.after:.4f} after the freeze "
+                f"of epoch {self.freeze_epoch}: freezing stops; {action}")
+
+
+@dataclass
+class FreezeGuard:
+    """Stops freezing when the eval metric drops after a freeze.
+
+    Fed every epoch's frozen-prefix length and eval metric (NaN when the epoch was not
+    evaluated; metrics are higher-is-better fractions such as accuracy), it compares the first
+    evaluation after the prefix grew with the last evaluation before it. A drop of more than
+    ``points`` percentage points stops all further freezing for the rest of the run.
+
+    Args:
+        points: the largest drop (in points, 100 x the metric) a freeze may cause; None turns
+            the guard off.
+        rollback: whether a verdict asks the run to return to the start of the harmful
+            freeze's first epoch.
+    """
+
+    points: float | None = 1.0
+    rollback: bool = False
+    epochs: list[tuple[int, int, float]] = field(default_factory=list)
+    verdict: GuardVerdict | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether freezing has been stopped for the rest of the run."""
+        return self.verdict is not None
+
+    def observe(self, epoch: int, num_frozen: int, metric: float) -> GuardVerdict | None:
+        """Record one trained epoch; returns a verdict the first time a freeze proves harmful.
+
+        An epoch trained again after a rollback replaces the records from it on.
+        """
+        self.epochs = [e for e in self.epochs if e[0] < epoch] + [(epoch, num_frozen, metric)]
+        if self.points is None or self.stopped or not math.isfinite(metric):
+            return None
+        earlier = [e for e in self.epochs[:-1] if math.isfinite(e[2])]
+        if not earlier:
+            return None
+        last_epoch, last_frozen, last_metric = earlier[-1]
+        if num_frozen <= last_frozen or 100.0 * (last_metric - metric) <= self.points:
+            return None
+        freeze_epoch = next(e for e, n, _ in self.epochs if e > last_epoch and n > last_frozen)
+        self.verdict = GuardVerdict(epoch, last_metric, metric, freeze_epoch, last_frozen,
+                                    self.rollback)
+        return self.verdict
+
+    def hold(self, result: FreezeDecision, num_frozen: int) -> FreezeDecision:
+        """``result`` as the guard lets it stand: unchanged until a verdict, then no growth."""
+        if not self.stopped or result.num_frozen <= num_frozen:
+            return result
+        return FreezeDecision(num_frozen, num_frozen,
+                              f"guard: freezing stopped at epoch {self.verdict.epoch}")
+
+    def state_dict(self) -> dict:
+        """The guard's memory, for checkpoints."""
+        v = self.verdict
+        return {"epochs": [list(e) for e in self.epochs],
+                "verdict": None if v is None else {f: getattr(v, f) for f in (
+                    "epoch", "before", "after", "freeze_epoch", "num_frozen", "rollback")}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.epochs = [(int(e), int(n), float(m)) for e, n, m in state["epochs"]]
+        self.verdict = None if state["verdict"] is None else GuardVerdict(**state["verdict"])

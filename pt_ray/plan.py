@@ -110,6 +110,9 @@ class Plan:
         schedule: ``gpipe`` or ``1f1b``.
         cache: whether the frozen prefix's activations come from the cache.
         stage_loads: predicted per-stage time per step, in the cost table's unit.
+        rollback_to: set on the plan the accuracy guard orders after a harmful freeze: the run
+            returns to the state it had at the start of this epoch (with this plan's smaller
+            frozen prefix) and trains on from there.
     """
 
     generation: int
@@ -122,6 +125,7 @@ class Plan:
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     cache: bool = False
     stage_loads: tuple[float, ...] = ()
+    rollback_to: int | None = None
 
     def __post_init__(self) -> None:
         k = self.pipeline_length

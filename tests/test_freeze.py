@@ -2,7 +2,14 @@
 
 import pytest
 
-from pt_ray.freeze import PaperFreeze, build_freeze_policy, frozen_timeline, schedule_frozen
+from pt_ray.freeze import (
+    FreezeDecision,
+    FreezeGuard,
+    PaperFreeze,
+    build_freeze_policy,
+    frozen_timeline,
+    schedule_frozen,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -84,3 +91,119 @@ def test_bad_arguments_are_named():
         build_freeze_policy("paper", num_layers=12, alpha=0.3, max_frozen=13)
     with pytest.raises(ValueError, match="alpha=1.5"):
         build_freeze_policy("paper", num_layers=12, alpha=1.5)
+
+
+# -- converged: freeze only what has converged -------------------------------------------------
+
+
+def _feed(policy, series):
+    """Feed ``series[d]`` (norms gathered during interval d) to decisions 1.. and return the
+    frozen count after each."""
+    n, out = 0, []
+    for d, norms in enumerate(series, start=1):
+        n = policy.decide(d, n, norms).num_frozen
+        out.append(n)
+    return out
+
+
+def test_converged_block_needs_its_norm_below_ratio_of_peak_for_window_decisions():
+    policy = build_freeze_policy("converged", num_layers=4, alpha=1.0, warmup=0, ratio=0.25,
+                                 window=2)
+    # Block 0 rises to a peak of 4, then falls to 1.0 (= 0.25 of peak) and 0.5: it passes at
+    # the second low decision, not the first. Block 1 stays at half its peak: never passes.
+    policy.decide(0, 0, None)
+    assert policy.decide(1, 0, {0: 2.0, 1: 2.0}).num_frozen == 0
+    assert policy.decide(2, 0, {0: 4.0, 1: 2.0}).num_frozen == 0
+    assert policy.decide(3, 0, {0: 1.0, 1: 1.0}).num_frozen == 0
+    assert not policy.converged(1)
+    d = policy.decide(4, 0, {0: 0.5, 1: 1.0})
+    assert d.num_frozen == 1 and "blocks 0..0 converged" in d.reason
+    assert policy.converged(0) and not policy.converged(1)
+
+
+def test_converged_a_rebound_above_ratio_resets_the_window():
+    policy = build_freeze_policy("converged", num_layers=3, alpha=1.0, warmup=0, ratio=0.25,
+                                 window=2)
+    # 10 -> 2 (low) -> 3 (above 0.25 of 10) -> 2 (low): only one low decision in a row.
+    assert _feed(policy, [{0: 10.0}, {0: 2.0}, {0: 3.0}, {0: 2.0}]) == [0, 0, 0, 0]
+    assert _feed(policy, [{0: 2.0}]) == [1]
+
+
+def test_converged_prefix_stays_contiguous_when_a_deeper_block_converges_first():
+    # The case that misleads the paper's rule: the deepest block's norm falls fastest.
+    series = [{0: 3.0, 1: 2.0, 2: 1.0}, {0: 2.4, 1: 1.2, 2: 0.2}, {0: 2.0, 1: 0.4, 2: 0.1}]
+    conv = build_freeze_policy("converged", num_layers=3, alpha=1.0, max_frozen=3, warmup=0,
+                               ratio=0.25, window=2)
+    paper = build_freeze_policy("paper", num_layers=3, alpha=1.0, max_frozen=3, warmup=0)
+    assert _feed(conv, series) == [0, 0, 0]  # block 0 is still at 2/3 of its peak
+    assert _feed(paper, series) == [0, 3, 3]  # block 2 "converged most": freeze all
+
+
+def test_converged_freezes_at_most_alpha_of_the_active_blocks_per_decision():
+    policy = build_freeze_policy("converged", num_layers=12, alpha=1 / 3, warmup=0, ratio=0.5,
+                                 window=1)
+    high = {b: 1.0 for b in range(12)}
+    low = {b: 0.1 for b in range(12)}
+    # Every block passes from decision 2 on; bounds 0 + 4, 4 + 3, 7 + 2, 9 + 1, cap 11.
+    assert _feed(policy, [high, low, low, low, low, low, low]) == [0, 4, 7, 9, 10, 11, 11]
+
+
+def test_converged_warmup_and_state_round_trip():
+    policy = build_freeze_policy("converged", num_layers=2, alpha=1.0, warmup=3, ratio=0.5,
+                                 window=1)
+    assert _feed(policy, [{0: 1.0}, {0: 0.1}]) == [0, 0]  # decisions 1, 2 are in warm-up
+    clone = build_freeze_policy("converged", num_layers=2, alpha=1.0, warmup=3, ratio=0.5,
+                                window=1)
+    clone.load_state_dict(policy.state_dict())
+    assert clone.decide(3, 0, {0: 0.1}).num_frozen == policy.decide(3, 0, {0: 0.1}).num_frozen == 1
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ratio": 1.0}, "freeze.converge_ratio=1.0"),
+    ({"window": 0}, "freeze.converge_window=0"),
+])
+def test_converged_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_freeze_policy("converged", num_layers=4, alpha=0.5, **kwargs)
+
+
+# -- the accuracy guard -------------------------------------------------------------------------
+
+
+def test_guard_stops_freezing_after_a_drop_beyond_its_points():
+    guard = FreezeGuard(points=1.0)
+    # Epochs 0-2 at n=0 climbing; epoch 3 froze 2 blocks and fell 0.5 points: tolerated.
+    for epoch, n, metric in [(0, 0, 0.80), (1, 0, 0.85), (2, 0, 0.90), (3, 2, 0.895)]:
+        assert guard.observe(epoch, n, metric) is None
+    # Epoch 4 froze 2 more and fell 1.5 points below epoch 3: stop.
+    verdict = guard.observe(4, 4, 0.88)
+    assert verdict is not None and guard.stopped
+    assert (verdict.before, verdict.after, verdict.freeze_epoch, verdict.num_frozen) == (
+        0.895, 0.88, 4, 2)
+    assert not verdict.rollback
+    held = guard.hold(FreezeDecision(6, 6, "policy wants more"), 4)
+    assert held.num_frozen == 4 and "guard" in held.reason
+    assert guard.hold(FreezeDecision(4, 4, "no change"), 4).num_frozen == 4
+    # One verdict per run.
+    assert guard.observe(5, 4, 0.5) is None
+
+
+def test_guard_ignores_drops_without_a_freeze_and_unevaluated_epochs():
+    guard = FreezeGuard(points=1.0, rollback=True)
+    assert guard.observe(0, 0, 0.9) is None
+    assert guard.observe(1, 0, 0.8) is None  # fell 10 points, but nothing froze
+    assert guard.observe(2, 1, float("nan")) is None  # froze, not evaluated
+    assert guard.observe(3, 3, float("nan")) is None
+    verdict = guard.observe(4, 3, 0.7)  # first evaluation after the freezes of epochs 2 and 3
+    assert verdict.freeze_epoch == 2 and verdict.num_frozen == 0 and verdict.rollback
+    off = FreezeGuard(points=None)
+    assert off.observe(0, 0, 0.9) is None and off.observe(1, 5, 0.1) is None
+
+
+def test_guard_state_round_trips():
+    guard = FreezeGuard(points=0.5, rollback=True)
+    guard.observe(0, 0, 0.9)
+    guard.observe(1, 1, 0.8)
+    clone = FreezeGuard(points=0.5, rollback=True)
+    clone.load_state_dict(guard.state_dict())
+    assert clone.epochs == guard.epochs and clone.verdict == guard.verdict and clone.stopped

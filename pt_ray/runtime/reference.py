@@ -10,12 +10,15 @@ with the same parameters:
    the optimizer with their state, while every other layer's optimizer state is untouched;
 3. each step takes the global sampler's indices, sets the learning rate from the run's progress
    in samples, runs forward/backward, clips the global norm of the active gradients and steps;
-4. after each epoch the whole eval set is scored.
+4. after each epoch the whole eval set is scored, and the accuracy guard sees the score: after a
+   harmful freeze it stops freezing and, with ``freeze.rollback``, returns to the state kept at
+   the start of that freeze's first epoch and trains on from there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +32,7 @@ from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.control import policy_for, start_pipeline_length
-from pt_ray.freeze import FreezePolicy
+from pt_ray.freeze import FreezeGuard, FreezePolicy
 from pt_ray.models.base import (
     ModelAdapter,
     forward_layers,
@@ -184,6 +187,12 @@ class ReferenceTrainer:
         self.precision = resolve_precision(cfg.precision, torch.device("cpu"))
         self.scaler = LossScaler() if self.precision.scaled else None
         self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
+        f = cfg.freeze
+        self.guard = FreezeGuard(f.guard_points if f.policy != "none" else None, f.rollback)
+        self.snapshots: dict[int, dict] = {}
+        self.rollbacks: list[dict] = []
+        self.discarded: list[EpochRecord] = []
+        self._epoch = 0
         self._set_modes()
 
     # -- freezing ------------------------------------------------------------------------------
@@ -211,15 +220,73 @@ class ReferenceTrainer:
         """Run the freeze policy at a decision point; returns the transition's wall time."""
         t0 = time.perf_counter()
         before = self.num_frozen
-        result = self.policy.decide(decision, self.num_frozen, self.norms.mean())
+        result = self.guard.hold(
+            self.policy.decide(decision, self.num_frozen, self.norms.mean()), before)
         self.norms.reset()
         if result.num_frozen != before:
+            if self.guard.rollback and self.cfg.freeze.interval == "epoch":
+                self.snapshots[self._epoch] = self._snapshot()
             self.freeze_to(result.num_frozen)
             logger.info(
                 "decision %d: frozen %d -> %d of %d blocks (%s)",
                 decision, before, self.num_frozen, self.adapter.num_layers, result.reason,
             )
         return time.perf_counter() - t0
+
+    # -- the accuracy guard's rollback -----------------------------------------------------------
+
+    def _snapshot(self) -> dict:
+        """Everything that decides the rest of the run, as it is now (the start of an epoch)."""
+        return {
+            "model": copy.deepcopy(self.adapter.model.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "num_frozen": self.num_frozen,
+            "global_step": self.global_step,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": torch.get_rng_state(),
+        }
+
+    def _restore(self, snap: dict) -> None:
+        """Return to :meth:`_snapshot`'s state: the blocks frozen since train again."""
+        for name in set(frozen_layer_names(self.num_frozen)) - set(
+                frozen_layer_names(snap["num_frozen"])):
+            for p in layer_module(self.adapter, name).parameters():
+                p.requires_grad_(True)
+        self.adapter.model.load_state_dict(snap["model"])
+        self.num_frozen = snap["num_frozen"]
+        self.optimizer = build_optimizer(
+            self.cfg.optimizer,
+            layer_param_groups(iter_layers(self.adapter), self.cfg.optimizer.weight_decay),
+        )
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.global_step = snap["global_step"]
+        if self.scaler is not None:
+            self.scaler.load_state_dict(snap["scaler"])
+        torch.set_rng_state(snap["rng"])
+        self.norms.reset()
+        self._set_modes()
+
+    def after_epoch(self, rec: EpochRecord, timeline: list[EpochRecord]) -> int:
+        """Show an epoch to the guard; returns the next epoch to train (earlier than
+        ``rec.epoch + 1`` after a rollback, whose undone epochs move from ``timeline`` to
+        :attr:`discarded`)."""
+        verdict = self.guard.observe(rec.epoch, rec.num_frozen, rec.eval_metric)
+        if verdict is None:
+            if rec.eval_metric == rec.eval_metric:  # evaluated: no earlier freeze is suspect
+                self.snapshots.clear()
+            return rec.epoch + 1
+        logger.warning("accuracy guard: %s", verdict.describe())
+        if not verdict.rollback:
+            return rec.epoch + 1
+        q = verdict.freeze_epoch
+        self._restore(self.snapshots.pop(q))
+        self.snapshots.clear()
+        self.discarded += [r for r in timeline if r.epoch >= q]
+        timeline[:] = [r for r in timeline if r.epoch < q]
+        self.rollbacks.append({"epoch": rec.epoch, "rollback_to": q,
+                               "num_frozen": self.num_frozen, "undone": rec.num_frozen,
+                               "before": verdict.before, "after": verdict.after})
+        return q
 
     # -- training ------------------------------------------------------------------------------
 
@@ -273,6 +340,7 @@ class ReferenceTrainer:
         """Train one epoch (with its decision points) and evaluate."""
         cfg = self.cfg
         transition = 0.0
+        self._epoch = epoch
         if cfg.freeze.interval == "epoch":
             transition += self.decide(epoch)
         set_epoch(self.splits.train, epoch)
@@ -309,11 +377,14 @@ class ReferenceTrainer:
         )
 
     def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None) -> list[EpochRecord]:
-        """Train for ``cfg.epochs`` epochs; returns the timeline."""
-        timeline = []
-        for epoch in range(self.cfg.epochs):
+        """Train for ``cfg.epochs`` epochs; returns the timeline (after a rollback, the epochs
+        trained again replace the undone ones, which are kept in :attr:`discarded`)."""
+        timeline: list[EpochRecord] = []
+        epoch = 0
+        while epoch < self.cfg.epochs:
             rec = self.train_epoch(epoch)
             timeline.append(rec)
             if on_epoch is not None:
                 on_epoch(rec)
+            epoch = self.after_epoch(rec, timeline)
         return timeline

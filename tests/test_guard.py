@@ -1,0 +1,142 @@
+"""The accuracy guard end to end on the controller's state and the reference trainer: a scripted
+metric drop after a freeze stops freezing, and a rollback run equals a run that never froze."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from pt_ray.config import ConfigError, load_config
+from pt_ray.control import build_control_state
+from pt_ray.freeze import FreezeDecision
+from pt_ray.plan import CostTable
+from pt_ray.runtime import reference
+from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.summary import EpochRecord
+from test_reference import vit_config
+
+pytestmark = pytest.mark.unit
+
+
+def _rec(epoch: int, num_frozen: int, metric: float) -> EpochRecord:
+    return EpochRecord(epoch=epoch, num_frozen=num_frozen, num_layers=4, pipeline_length=1,
+                       num_replicas=2, num_microbatches=1, throughput_samples_per_s=1.0,
+                       epoch_time_s=1.0, transition_time_s=0.0, cache_hit_rate=0.0,
+                       train_loss=1.0, eval_metric=metric)
+
+
+def _control(rollback: bool):
+    cfg = load_config(None, ["model.depth=4", "freeze.policy=schedule", "freeze.alpha=0.5",
+                             "freeze.warmup_epochs=1", f"freeze.rollback={str(rollback).lower()}",
+                             "epochs=6"])
+    state = build_control_state(cfg, 4, 2, 4)
+    for r in range(2):
+        state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
+    return state
+
+
+def _epoch_end(state, decision: int, rec: EpochRecord):
+    """What every rank does after an epoch: its record, then its norms."""
+    state.record(rec)
+    for r in range(2):
+        state.submit_norms(decision, r, {b: 1.0 for b in range(rec.num_frozen, 4)})
+    return state.plan_for(decision + 1)
+
+
+def test_controller_guard_stops_freezing_after_a_scripted_drop():
+    state = _control(rollback=False)
+    assert state.plan_for(0).num_frozen == 0
+    assert _epoch_end(state, 0, _rec(0, 0, 0.90)).num_frozen == 2  # schedule n(1) = 2
+    # Epoch 1 trained with 2 frozen blocks and fell 5 points: the schedule's n(2) = 3 is held.
+    plan = _epoch_end(state, 1, _rec(1, 2, 0.85))
+    assert plan.num_frozen == 2 and plan.rollback_to is None
+    assert _epoch_end(state, 2, _rec(2, 2, 0.95)).num_frozen == 2
+    assert state.guard.stopped and not state.rollbacks
+    assert "guard: freezing stopped" in state.decisions[-1]["reason"]
+
+
+def test_controller_rollback_reopens_the_harmful_epoch_with_the_earlier_layout():
+    state = _control(rollback=True)
+    p0 = state.plan_for(0)
+    p1 = _epoch_end(state, 0, _rec(0, 0, 0.90))
+    assert p1.num_frozen == 2
+    p2 = _epoch_end(state, 1, _rec(1, 2, 0.80))
+    # Decision 2 reopens epoch 1 with decision 0's layout, as a new generation.
+    assert (p2.num_frozen, p2.rollback_to, p2.generation) == (0, 1, p1.generation + 1)
+    assert (p2.pipeline_length, p2.num_replicas, p2.boundaries) == (
+        p0.pipeline_length, p0.num_replicas, p0.boundaries)
+    assert [r.epoch for r in state.timeline] == [0]
+    assert [(r.epoch, r.num_frozen) for r in state.discarded] == [(1, 2)]
+    assert state.rollbacks[0]["rollback_to"] == 1 and state.rollbacks[0]["undone"] == 2
+    # Epoch 1 again (decision 2), then epoch 2 (decision 3): nothing freezes any more.
+    p3 = _epoch_end(state, 2, _rec(1, 0, 0.93))
+    assert p3 is p2
+    assert [(r.epoch, r.num_frozen) for r in state.timeline] == [(0, 0), (1, 0)]
+    # A checkpoint taken now resumes to the same state.
+    saved = state.state_dict()
+    other = _control(rollback=True)
+    assert other.resume(saved, 3) == p3
+    assert other.guard.stopped and other.rollbacks == state.rollbacks
+    assert [r.epoch for r in other.discarded] == [1]
+
+
+@dataclass
+class Scripted:
+    """A freeze policy that freezes to ``at[decision]`` (the scripted timeline)."""
+
+    at: dict[int, int]
+    num_layers: int = 4
+    max_frozen: int = 3
+    name: str = "scripted"
+    asked: list[int] = field(default_factory=list)
+
+    def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
+        self.asked.append(decision)
+        want = max(num_frozen, self.at.get(decision, num_frozen))
+        return FreezeDecision(want, want, "scripted")
+
+
+def _run(monkeypatch, at: dict[int, int], metrics: dict[int, float], **freeze):
+    cfg = vit_config(epochs=5, freeze=dict(guard_points=1.0, **freeze),
+                     model=dict(dropout=0.1))
+    trainer = ReferenceTrainer(cfg, policy=Scripted(at))
+    monkeypatch.setattr(reference, "evaluate", lambda *a, **k: metrics[trainer._epoch])
+    return trainer, trainer.fit()
+
+
+@pytest.mark.timeout(120)
+def test_reference_guard_without_rollback_keeps_the_prefix_and_stops_growth(monkeypatch):
+    metrics = {0: 0.5, 1: 0.6, 2: 0.7, 3: 0.5, 4: 0.8}
+    trainer, timeline = _run(monkeypatch, {1: 1, 3: 3, 4: 4}, metrics)
+    assert [r.num_frozen for r in timeline] == [0, 1, 1, 3, 3]  # decision 4's growth is held
+    assert trainer.guard.verdict.epoch == 3 and not trainer.rollbacks
+
+
+@pytest.mark.timeout(180)
+def test_reference_rollback_equals_a_run_that_never_froze_that_block(monkeypatch):
+    # Run A freezes block 0 at epoch 1 and blocks 1-2 at epoch 3, whose evaluation falls 20
+    # points: it returns to the start of epoch 3 and trains on with one frozen block. Run B
+    # never freezes past block 0. Dropout is on: the random stream must be restored too.
+    metrics = {0: 0.5, 1: 0.6, 2: 0.7, 3: 0.5, 4: 0.8}
+    a, timeline_a = _run(monkeypatch, {1: 1, 3: 3}, metrics, rollback=True)
+    metrics_b = {**metrics, 3: 0.75}
+    b, timeline_b = _run(monkeypatch, {1: 1}, metrics_b)
+    assert [(r.epoch, r.num_frozen) for r in timeline_a] == [(e, min(e, 1)) for e in range(5)]
+    assert [(r.epoch, r.num_frozen) for r in a.discarded] == [(3, 3)]
+    assert a.rollbacks == [{"epoch": 3, "rollback_to": 3, "num_frozen": 1, "undone": 3,
+                            "before": 0.7, "after": 0.5}]
+    assert a.global_step == b.global_step
+    for (name, pa), pb in zip(a.adapter.model.named_parameters(), b.adapter.model.parameters()):
+        assert pa.requires_grad == pb.requires_grad, name
+        assert torch.equal(pa, pb), name  # bit for bit (the issue asks 1e-4)
+    for ta, tb in zip(timeline_a, timeline_b):
+        assert ta.train_loss == tb.train_loss
+
+
+def test_rollback_config_rules_name_the_fix():
+    with pytest.raises(ConfigError, match="freeze.rollback=true needs freeze.interval=epoch"):
+        load_config(None, ["freeze.rollback=true", "freeze.interval=steps"])
+    with pytest.raises(ConfigError, match="set freeze.guard_points"):
+        load_config(None, ["freeze.rollback=true", "freeze.guard_points=null"])
