@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,9 @@ class Result:
             ``pt_ray.load_checkpoint_layers``; None for the reference engine.
         decisions: every freeze decision with its numbers and reason (Ray engine).
         restarts: worker-group restarts from a checkpoint during the run.
+        rollbacks: the accuracy guard's rollbacks (``freeze.rollback``): the epoch whose
+            evaluation fell, the epoch returned to, the blocks frozen before and after, the
+            metric before and after, and the undone epochs' records.
     """
 
     config: RunConfig
@@ -110,6 +113,7 @@ class Result:
     checkpoint: str | None = None
     decisions: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def fit(
@@ -170,6 +174,8 @@ def fit(
         trainer = ReferenceTrainer(cfg)
         metric_name = trainer.adapter.metric_name
         timeline = trainer.fit(report)
+        extra["rollbacks"] = [{**r, "discarded": [asdict(d) for d in trainer.discarded]}
+                              for r in trainer.rollbacks]
     else:
         from pt_ray.service.trainer import run_on_ray
 
@@ -180,7 +186,8 @@ def fit(
             for rec in timeline:
                 on_epoch(rec)
         extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
-                     decisions=run.decisions, restarts=run.restarts, cache=run.cache)
+                     decisions=run.decisions, restarts=run.restarts, cache=run.cache,
+                     rollbacks=run.rollbacks)
     wall = time.perf_counter() - t0
     summary = write_summary(
         run_dir / "summary.json",
@@ -195,4 +202,4 @@ def fit(
     _write_extras(cfg, summary, run_dir)
     return Result(cfg, timeline, metric_name, timeline[-1].eval_metric, wall, run_dir,
                   checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
-                  restarts=extra.get("restarts", 0))
+                  restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))

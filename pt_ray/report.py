@@ -35,6 +35,7 @@ __all__ = [
     "format_table",
     "load_summary",
     "render_report",
+    "rollback_lines",
     "train_time_s",
     "transitions",
 ]
@@ -196,9 +197,27 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
             f"ideal speedup bound from the freeze timeline: {bound:.2f}x vs no freezing")
     if cached is not None:
         foot += f" ({cached:.2f}x with the frozen prefix fully cached)"
+    for line_ in rollback_lines(s):
+        foot += "\n" + line_
     if baseline is not None:
         foot += "\n" + _speedup_line(s, load_summary(baseline))
     return "\n".join([title, line(head), rule, *(line(r) for r in rows), rule, foot])
+
+
+def rollback_lines(summary: Mapping[str, Any]) -> list[str]:
+    """One line per rollback of the accuracy guard in a loaded summary (none without)."""
+    out = []
+    for r in summary.get("rollbacks") or []:
+        undone = r.get("discarded", [])
+        seconds = sum(d.get("epoch_time_s", 0.0) for d in undone)
+        out.append(
+            f"rollback: epoch {r['epoch'] + 1}'s {_fmt(r['after'], '.4f')} fell from "
+            f"{_fmt(r['before'], '.4f')} after freezing {r['num_frozen']} -> {r['undone']} "
+            f"blocks; returned to the start of epoch {r['rollback_to'] + 1} with "
+            f"{r['num_frozen']} frozen ({len(undone)} epoch{'s' if len(undone) != 1 else ''} "
+            f"undone, {seconds:.2f} s of "
+            f"training not in the train time above)")
+    return out
 
 
 def format_comparison(runs: Mapping[str, SummaryLike]) -> str:
@@ -298,6 +317,9 @@ def render_report(summary: SummaryLike, out_png: str | Path,
     ax_f.stairs(frozen, edges, baseline=None, color="tab:blue", lw=2,
                 label="frozen blocks")
     ax_f.axhline(L, color="gray", lw=1, ls=":", label=f"L = {L} blocks")
+    for r in s.get("rollbacks") or []:
+        ax_f.axvline(r["rollback_to"] + 0.5, color="tab:red", lw=1.5,
+                     label=f"rollback (epoch {r['epoch'] + 1} -> {r['rollback_to'] + 1})")
     ax_f.set_ylim(-0.2, L + 0.5)
     ax_f.set_ylabel("frozen blocks")
     ax_f.legend(loc="upper left", fontsize=8)

@@ -49,8 +49,9 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     assert (cfg.epochs, cfg.model.depth, cfg.data.num_samples) == (2, 2, 128)
 
     summary = json.loads((out / "summary.json").read_text())
-    # The contract keys, plus the engine that produced the run.
-    assert set(summary) == SUMMARY_KEYS | {"engine"}
+    # The contract keys, plus the engine that produced the run and the guard's rollbacks.
+    assert set(summary) == SUMMARY_KEYS | {"engine", "rollbacks"}
+    assert summary["rollbacks"] == []
     assert summary["engine"] == "reference"
     assert (summary["device"], summary["precision"]) == ("cpu", "fp32")
     assert summary["epochs"] == 2 and summary["metric_name"] == "accuracy"

@@ -179,3 +179,50 @@ def test_checkpoint_of_four_workers_resumes_on_two_and_matches_reference(tmp_pat
     assert [r.epoch for r in timeline] == [1, 2]
     assert all(r.pipeline_length * r.num_replicas == 2 for r in timeline)
     assert_same_parameters(results, cfg)
+
+
+def guarded_rank(rank, world, cfg, metrics):
+    """``train_rank`` with the eval metric scripted per epoch (the accuracy guard's input)."""
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)
+    control = build_control_state(cfg, adapter.num_layers, world,
+                                  len(splits.train) // cfg.data.batch_size)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control), costs=costs_for(adapter.num_layers))
+    worker.evaluate = lambda: (metrics[worker._epoch], 0.0)
+    timeline = worker.fit()
+    states = worker.layer_state_dicts()
+    worker.close()
+    return states, timeline, control.rollbacks, [
+        (r.epoch, r.num_frozen, r.pipeline_length, r.num_replicas) for r in control.discarded]
+
+
+def test_rollback_on_two_workers_equals_a_run_that_never_froze_that_block():
+    # Run A: blocks 0-1 freeze at epoch 1 (K 2 -> 1, R 1 -> 2) and block 2 at epoch 2, whose
+    # scripted evaluation falls 20 points: every rank restores its snapshot of the start of
+    # epoch 2 and trains epochs 2 and 3 with two frozen blocks. Run B never freezes block 2.
+    metrics = {0: 0.5, 1: 0.6, 2: 0.4, 3: 0.7}
+    a = config(VIT, "1f1b", 2, epochs=4,
+               freeze={"policy": "schedule", "alpha": 0.5, "max_frozen": 3,
+                       "warmup_epochs": 1, "rollback": True})
+    b = config(VIT, "1f1b", 2, epochs=4,
+               freeze={"policy": "schedule", "alpha": 0.5, "max_frozen": 2, "warmup_epochs": 1})
+    run_a = run_ranks(guarded_rank, 2, a, metrics)
+    run_b = run_ranks(guarded_rank, 2, b, {**metrics, 2: 0.65})
+    _, timeline, rollbacks, discarded = run_a[0]
+    layout = [(r.epoch, r.num_frozen, r.pipeline_length, r.num_replicas) for r in timeline]
+    assert layout == [(0, 0, 2, 1), (1, 2, 2, 1), (2, 2, 2, 1), (3, 2, 2, 1)]
+    assert [(r["epoch"], r["rollback_to"], r["num_frozen"], r["undone"]) for r in rollbacks] == [
+        (2, 2, 2, 3)]
+    assert discarded == [(2, 3, 1, 2)]  # the undone epoch ran K = 1, R = 2: the layout changes back
+    assert run_b[0][2] == []
+    assert [(r.epoch, r.num_frozen, r.pipeline_length, r.num_replicas)
+            for r in run_b[0][1]] == layout
+    merged_a = {k: v for states, *_ in run_a for k, v in states.items()}
+    merged_b = {k: v for states, *_ in run_b for k, v in states.items()}
+    assert set(merged_a) == set(merged_b)
+    worst = max(float((merged_a[n][k] - v).abs().max())
+                for n, sd in merged_b.items() for k, v in sd.items())
+    assert worst <= 1e-4, f"max abs parameter difference {worst:.3g}"
+    for ra, rb in zip(timeline, run_b[0][1]):
+        assert ra.train_loss == pytest.approx(rb.train_loss, abs=1e-4)

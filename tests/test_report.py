@@ -319,3 +319,16 @@ def test_run_progress_is_an_on_step_hook_with_one_bar_per_epoch():
         hook.end_epoch(f"epoch {epoch + 1} done")
     lines = [ln.split(" (")[0] for ln in buf.getvalue().splitlines()]
     assert lines == ["epoch 1/2: 50%", "epoch 1 done", "epoch 2/2: 50%", "epoch 2 done"]
+
+
+def test_table_and_png_show_a_rollback(tmp_path):
+    s = make_summary()
+    undone = {**s["timeline"][3], "num_frozen": 7, "epoch_time_s": 2.25}
+    s["rollbacks"] = [{"epoch": 3, "rollback_to": 3, "num_frozen": 6, "undone": 7,
+                       "before": 0.70, "after": 0.61, "discarded": [undone]}]
+    table = format_table(s)
+    assert ("rollback: epoch 4's 0.6100 fell from 0.7000 after freezing 6 -> 7 blocks; returned "
+            "to the start of epoch 4 with 6 frozen (1 epoch undone, 2.25 s of training not in "
+            "the train time above)") in table
+    assert "rollback" not in format_table(make_summary())
+    assert render_report(s, tmp_path / "r.png").stat().st_size > 30_000

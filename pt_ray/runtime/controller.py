@@ -32,7 +32,11 @@ class Controller(Protocol):
 
     def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None: ...
 
-    def record(self, rec: EpochRecord) -> None: ...
+    def record(self, rank: int, rec: EpochRecord) -> None:
+        """One epoch's record. Every rank calls it after each epoch, before submitting that
+        epoch's norms (the accuracy guard must see the record before the next decision); one
+        copy is kept."""
+        ...
 
 
 class LocalController:
@@ -78,8 +82,8 @@ class LocalController:
             self.state.submit_norms(
                 decision, r, {b: v for b, v in enumerate(values) if not math.isnan(v)})
 
-    def record(self, rec: EpochRecord) -> None:
-        self.state.record(rec)
+    def record(self, rank: int, rec: EpochRecord) -> None:
+        self.state.record(rec)  # each rank's own copy of the state
 
 
 def _costs_to_tensor(costs: CostTable) -> torch.Tensor:

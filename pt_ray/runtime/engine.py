@@ -21,6 +21,12 @@ One step:
 4. the optimizer (rebuilt at each plan over the layers trained here, their state carried)
    steps with the learning rate of the run's progress.
 
+After each epoch every rank reports its record (the accuracy guard reads the metric) before its
+norms. With ``freeze.rollback`` each rank keeps, at each freeze, a host copy of what it holds
+(parameters, optimizer state, step counters, random state); when the guard orders a rollback
+(a plan with ``rollback_to``), every rank restores that copy, enters the plan and trains that
+epoch again.
+
 Every collective and point-to-point call of pt-ray's own goes through
 :class:`pt_ray.runtime.comm.Comm`, on the groups' device (CUDA for NCCL); DDP and the pipeline
 schedules send the model's own tensors, already on the device. Losses and gradient norms stay
@@ -134,6 +140,10 @@ class ElasticWorker:
         self.global_step = 0
         self.samples_seen = 0
         self._epoch = 0
+        self.next_epoch = 0
+        # Decision d opens epoch d - decision_shift (the shift grows by one at a rollback).
+        self.decision_shift = 0
+        self.snapshots: dict[int, dict] = {}
         self.norms = GradNormMeter()
         adapter.model.to(self.device)
 
@@ -304,10 +314,84 @@ class ElasticWorker:
 
     def _decision_point(self, decision: int) -> float:
         """Enter decision ``decision``'s plan. With ``interval=steps`` the norms of interval
-        ``decision - 1`` are submitted here first; per-epoch norms go at the end of each epoch."""
+        ``decision - 1`` are submitted here first; per-epoch norms go at the end of each epoch.
+        With ``freeze.rollback``, a plan that freezes more is entered after a snapshot."""
         if self.cfg.freeze.interval == "steps" and decision > 0:
             self._submit_norms(decision - 1)
-        return self.apply_plan(self.controller.plan_for(decision))
+        plan = self.controller.plan_for(decision)
+        if (self.cfg.freeze.rollback and self.plan is not None
+                and plan.num_frozen > self.plan.num_frozen):
+            self.snapshots[self._epoch] = self._snapshot()
+        return self.apply_plan(plan)
+
+    # -- the accuracy guard's rollback -----------------------------------------------------------
+
+    def _snapshot(self) -> dict:
+        """What this rank holds under the current plan, as host copies, and the counters and
+        random state that decide the rest of the run."""
+        layers = {}
+        for name in self.plan.stage_layers(self.topo.stage):
+            module = self.modules[name]
+            entry = {"params": {k: v.detach().cpu().clone()
+                                for k, v in module.state_dict().items()}}
+            if is_trainable(self.plan, name):
+                entry["optim"] = [
+                    {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                     for k, v in st.items()}
+                    for st in collect_layer_state(self.optimizer, module)]
+            layers[name] = entry
+        return {
+            "layers": layers,
+            "global_step": self.global_step,
+            "samples_seen": self.samples_seen,
+            "norms": self.norms.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": (torch.cuda.get_rng_state(self.device)
+                         if self.device.type == "cuda" else None),
+        }
+
+    def _roll_back(self, plan: Plan) -> None:
+        """Return to the snapshot taken at the start of epoch ``plan.rollback_to`` and enter
+        ``plan`` (the layout that trained the epoch before it, as a new generation)."""
+        snap = self.snapshots.pop(plan.rollback_to)
+        self.snapshots.clear()
+        self._ddp = None
+        self.topo.destroy()
+        self.plan = None
+        frozen = set(frozen_layer_names(plan.num_frozen))
+        states: LayerStates = {}
+        with torch.no_grad():
+            for name, module in self.modules.items():
+                if name not in frozen:
+                    for p in module.parameters():
+                        p.requires_grad_(True)
+            for name, entry in snap["layers"].items():
+                module = self.modules[name]
+                module.load_state_dict(entry["params"])
+                if "optim" in entry:
+                    states[name] = [
+                        {k: v.to(p.device) if torch.is_tensor(v) and k != "step" else v
+                         for k, v in st.items()}
+                        for p, st in zip(module.parameters(), entry["optim"])]
+        self.global_step = snap["global_step"]
+        self.samples_seen = snap["samples_seen"]
+        self.norms.reset()
+        self.norms.sums.update(snap["norms"]["sums"])
+        self.norms.steps = snap["norms"]["steps"]
+        if self.scaler is not None:
+            self.scaler.load_state_dict(snap["scaler"])
+        torch.set_rng_state(snap["rng"])
+        if snap["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
+        if self.prefix is not None:
+            # Entries deeper than the restored prefix were computed by the undone freeze.
+            self.prefix.invalidate_above(plan.num_frozen)
+            self.comm.barrier()
+        self.apply_plan(plan, restored=states)
+        if self.rank == 0:
+            logger.warning("rolled back to the start of epoch %d: %s", plan.rollback_to,
+                           plan.describe())
 
     def steps_in_epoch(self) -> int:
         """Optimizer steps in an epoch under the current plan (for progress reporting)."""
@@ -319,14 +403,15 @@ class ElasticWorker:
         one taken (the next is decided when training reaches it)."""
         if self.cfg.freeze.interval == "steps":
             return max(self.global_step - 1, 0) // self.cfg.freeze.interval_steps
-        return self._epoch + 1
+        return self.next_epoch + self.decision_shift
 
     def train_epoch(self, epoch: int) -> EpochRecord:
         """Train one epoch (entering the plans of its decision points) and evaluate."""
         cfg = self.cfg
         by_steps = cfg.freeze.interval == "steps"
         self._epoch = epoch
-        transition = 0.0 if by_steps else self._decision_point(epoch)
+        decision = epoch + self.decision_shift
+        transition = 0.0 if by_steps else self._decision_point(decision)
         set_epoch(self.splits.train, epoch)
         order = self.sampler.epoch_order(epoch)
         offset, steps = 0, 0
@@ -372,26 +457,43 @@ class ElasticWorker:
             cache_objects=int(totals[2]),
             cache_cost_ratio=float(cache[4] / cache[5]) if cache[5] else 0.0,
         )
+        self.controller.record(self.rank, rec)
+        self.next_epoch = epoch + 1
         if not by_steps:
-            # Interval `epoch` ends here; its norms feed the next epoch's decision.
-            self._submit_norms(epoch)
-        if self.rank == 0:
-            self.controller.record(rec)
+            # Interval `epoch` ends here; its norms (after the record, which the accuracy guard
+            # reads) feed the next epoch's decision.
+            self._submit_norms(decision)
+            if cfg.freeze.rollback:
+                self._after_guard(decision + 1, evaluated=metric == metric)
         return rec
+
+    def _after_guard(self, decision: int, evaluated: bool) -> None:
+        """With ``freeze.rollback``: take the next decision now, and roll back if the guard
+        ordered it (else an evaluated epoch clears the snapshots: its freezes passed)."""
+        plan = self.controller.plan_for(decision)
+        if plan.rollback_to is not None and plan.generation != self.plan.generation:
+            self._roll_back(plan)
+            self.next_epoch = plan.rollback_to
+            self.decision_shift = decision - plan.rollback_to
+        elif evaluated:
+            self.snapshots.clear()
 
     def fit(
         self, on_epoch: Callable[[EpochRecord], None] | None = None, first_epoch: int = 0
     ) -> list[EpochRecord]:
         """Start (unless restored), then train from ``first_epoch`` to the end; returns the
-        timeline of the epochs trained here (identical on every rank)."""
+        timeline of the epochs trained here (identical on every rank; after a rollback the
+        epochs trained again replace the undone ones)."""
         if self.plan is None:
             self.start()
-        timeline = []
-        for epoch in range(first_epoch, self.cfg.epochs):
+        timeline: list[EpochRecord] = []
+        epoch = first_epoch
+        while epoch < self.cfg.epochs:
             rec = self.train_epoch(epoch)
-            timeline.append(rec)
+            timeline = [r for r in timeline if r.epoch < epoch] + [rec]
             if on_epoch is not None:
                 on_epoch(rec)
+            epoch = self.next_epoch
         return timeline
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -460,6 +562,7 @@ class ElasticWorker:
         """Run-level state after ``epoch`` (rank 0 writes it beside the shards)."""
         return {
             "epoch": epoch,
+            "decision_shift": self.decision_shift,
             "global_step": self.global_step,
             "samples_seen": self.samples_seen,
             "num_workers": self.world,
@@ -471,6 +574,7 @@ class ElasticWorker:
         """Load a checkpoint and enter ``plan`` (decided for the resumed run, possibly for a
         different number of workers). Returns the first epoch to train."""
         meta = read_meta(directory)
+        self.decision_shift = meta.get("decision_shift", 0)
         self.global_step = meta["global_step"]
         self.samples_seen = meta["samples_seen"]
         if self.scaler is not None and "loss_scale" in meta:
@@ -501,7 +605,8 @@ class ElasticWorker:
             self.comm.barrier()
             self.prefix.store.attach()
         self.apply_plan(plan, restored=states)
-        return meta["epoch"] + 1
+        self.next_epoch = meta["epoch"] + 1
+        return self.next_epoch
 
     def close(self) -> None:
         """Destroy this rank's subgroups (the WORLD group stays with its owner)."""

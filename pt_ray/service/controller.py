@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -101,8 +102,11 @@ class ControllerActor:
 
     async def summary(self) -> dict[str, Any]:
         """Timeline, decisions and the metric's name, for the driver at the end of a run."""
+        rollbacks = [{**r, "discarded": [asdict(d) for d in self.state.discarded]}
+                     for r in self.state.rollbacks] if self.state else []
         return {"timeline": await self.timeline(), "decisions": await self.decisions(),
-                "metric_name": self.metric_name, "restarts": self.restarts}
+                "metric_name": self.metric_name, "restarts": self.restarts,
+                "rollbacks": rollbacks}
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -140,8 +144,9 @@ class RayController:
     def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
         self._call("submit_norms", decision, rank, norms)
 
-    def record(self, rec: EpochRecord) -> None:
-        self._call("record", rec)
+    def record(self, rank: int, rec: EpochRecord) -> None:
+        if rank == 0:  # every rank holds the same record
+            self._call("record", rec)
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")

@@ -113,6 +113,8 @@ class RayRun:
         config: the configuration the workers ran, with ``pipeline.use_gpu`` and
             ``precision`` resolved; None only for records made by hand.
         device: ``cuda`` or ``cpu``.
+        rollbacks: the accuracy guard's rollbacks (epoch, epoch returned to, blocks frozen
+            before and after, the metric before and after, and the undone epochs' records).
     """
 
     timeline: list[EpochRecord]
@@ -124,6 +126,7 @@ class RayRun:
     cache: dict[str, Any] = field(default_factory=dict)
     config: RunConfig | None = None
     device: str = "cpu"
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def cluster_devices(cfg: RunConfig) -> DeviceChoice:
@@ -234,7 +237,8 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path,
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
-                  run_id, summary["restarts"], cache_report, config=cfg, device=choice.device)
+                  run_id, summary["restarts"], cache_report, config=cfg, device=choice.device,
+                  rollbacks=summary["rollbacks"])
 
 
 def _cache_report(cache) -> dict[str, Any]:

@@ -141,13 +141,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             logger.info("resumed after epoch %d on %d workers: %s", first_epoch - 1, world,
                         plan.describe())
 
-    for epoch in range(first_epoch, cfg.epochs):
+    epoch = first_epoch
+    while epoch < cfg.epochs:
         rec = worker.train_epoch(epoch)
         metrics = {**asdict(rec), "metric_name": adapter.metric_name}
         if rank == 0:
             progress.end_epoch()
             logger.info(format_epoch(rec, cfg.epochs, adapter.metric_name))
-        if not cfg.checkpoints_after(epoch):
+        epoch = worker.next_epoch  # earlier than rec.epoch + 1 after a rollback
+        if not cfg.checkpoints_after(rec.epoch):
             ray.train.report(metrics)  # a barrier too: every rank reports
             continue
         nxt = worker.resume_decision()
@@ -155,7 +157,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             worker.save_shard(Path(tmp))
             if rank == 0:
                 controller.plan_for(nxt)  # every rank's norms are in: the decision is made
-                write_meta(Path(tmp), {**worker.checkpoint_meta(epoch), "next_decision": nxt,
+                # The state saved is the one epoch `epoch` starts from.
+                write_meta(Path(tmp), {**worker.checkpoint_meta(epoch - 1),
+                                       "next_decision": nxt,
                                        "controller": controller.state_dict()})
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     worker.close()
