@@ -176,7 +176,7 @@ def baseline_lines(s: dict[str, Any]) -> list[str]:
         f"   (aim {AIM_FRACTION:.0%}: {_aim(s['meets_fraction_aim'])})",
         f"accuracy difference                      {s['accuracy_diff_points']:+.2f} points"
         f"   (aim within {AIM_ACCURACY_POINTS:g}: {_aim(s['meets_accuracy_aim'])})",
-        f"same-plan epochs ratio (noise; ideal 1)  "
+        "same-plan epochs ratio (noise; ideal 1)  "
         + (f"{s['same_plan_ratio']:.2f}   per repeat "
            f"{', '.join(f'{x:.2f}' for x in s['same_plan_ratio_per_repeat'])}"
            if s["same_plan_ratio"] is not None else "n/a"),

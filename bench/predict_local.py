@@ -813,7 +813,7 @@ def report(res: dict[str, Any]) -> str:
             f"pt-ray {v['pt_ray_train_time_s']:.1f} s ({_pct(v['pt_ray_train_error']).strip()}), "
             f"speedup {v['speedup']:.2f}x ({_pct(v['speedup_error']).strip()})")
         lines.append(
-            f"    chose n,K,R,M,cache " + " | ".join(",".join(map(str, p)) for p in plans)
+            "    chose n,K,R,M,cache " + " | ".join(",".join(map(str, p)) for p in plans)
             + f"; baseline {','.join(map(str, v['baseline_plans'][0]))}; (n,K,R,M) "
             + ("as measured" if v["plans_match_measured"] else "NOT as measured")
             + ("" if v["measured_cache_hits"] else "; the measured run read no cache"))

@@ -7,6 +7,7 @@ freed devices become more data-parallel replicas::
     result = pt_ray.fit()                                   # the default job
     result = pt_ray.fit("my.yaml", overrides=["freeze.alpha=0.25"])
     result.timeline                                         # per-epoch layout and speed
+    model = result.load_model()                             # plain timm / transformers model
 
 Names that pull in torch, timm or transformers load on first use.
 """
@@ -41,6 +42,7 @@ __all__ = [
     "build_dataset",
     "build_freeze_policy",
     "default_config_path",
+    "export_run",
     "fit",
     "ideal_speedup",
     "load_checkpoint_layers",
@@ -57,6 +59,7 @@ _LAZY = {
     "ReferenceTrainer": ("pt_ray.runtime.reference", "ReferenceTrainer"),
     "build_adapter": ("pt_ray.models.registry", "build_adapter"),
     "build_dataset": ("pt_ray.data.registry", "build_dataset"),
+    "export_run": ("pt_ray.export", "export_run"),
     "load_checkpoint_layers": ("pt_ray.runtime.checkpoint", "load_layers"),
     "SweepResult": ("pt_ray.service.tune", "SweepResult"),
     "sweep": ("pt_ray.service.tune", "sweep"),

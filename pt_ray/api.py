@@ -84,6 +84,27 @@ def _write_extras(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> Non
         logger.warning("run report not written: %s", err)
 
 
+def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str | None) -> None:
+    """The trained model in its library's own format into ``run_dir/model`` (from the
+    reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint); a failure
+    is logged with the command that retries it, and never fails the finished run."""
+    from pt_ray.export import MODEL_DIR, export_adapter, export_checkpoint
+
+    out = run_dir / MODEL_DIR
+    try:
+        if adapter is not None:
+            export_adapter(cfg, adapter, out, f"run {cfg.name!r} in {run_dir}")
+        elif checkpoint is not None:
+            export_checkpoint(cfg, checkpoint, out)
+        else:
+            logger.warning("model not exported: the run left no checkpoint")
+            return
+    except Exception as err:  # hours of training must not end in a traceback here
+        logger.warning("model not exported: %s; retry with `pt-ray export %s`", err, run_dir)
+        return
+    logger.info("model exported to %s (see its README.txt)", out)
+
+
 @dataclass(frozen=True)
 class Result:
     """What a run returns.
@@ -94,7 +115,8 @@ class Result:
         metric_name: name of the eval metric.
         final_eval_metric: the eval metric after the last epoch.
         wall_time_s: wall time of the whole run.
-        run_dir: where ``config.yaml`` and ``summary.json`` were written.
+        run_dir: where ``config.yaml`` and ``summary.json`` were written, and the trained
+            model in its library's own format (``model/``; :meth:`load_model` reads it).
         checkpoint: the latest checkpoint directory (Ray engine), loadable with
             ``pt_ray.load_checkpoint_layers``; None for the reference engine.
         decisions: every freeze decision with its numbers and reason (Ray engine).
@@ -115,6 +137,19 @@ class Result:
     restarts: int = 0
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
 
+    def load_model(self) -> Any:
+        """The trained model as a plain timm or transformers model, in eval mode, read from the
+        export the run wrote into ``run_dir/model`` (see :mod:`pt_ray.models.export`).
+
+        Raises:
+            FileNotFoundError: the run wrote no export (the message gives the command that
+                writes one).
+        """
+        from pt_ray.export import MODEL_DIR
+        from pt_ray.models.export import load_exported
+
+        return load_exported(self.run_dir / MODEL_DIR)
+
 
 def fit(
     config: RunConfig | Mapping[str, Any] | str | Path | None = None,
@@ -124,7 +159,8 @@ def fit(
     on_epoch: Callable[[EpochRecord], None] | None = None,
     worker_env: dict[str, str] | None = None,
 ) -> Result:
-    """Train a model with AutoFreeze and write ``config.yaml`` and ``summary.json``.
+    """Train a model with AutoFreeze and write ``config.yaml``, ``summary.json`` and the
+    trained model in its library's own format (``model/``, see :mod:`pt_ray.export`).
 
     Args:
         config: a RunConfig, a dict of fields, a YAML path, or None for the default job.
@@ -172,6 +208,7 @@ def fit(
         from pt_ray.runtime.reference import ReferenceTrainer
 
         trainer = ReferenceTrainer(cfg)
+        trained = trainer.adapter
         metric_name = trainer.adapter.metric_name
         timeline = trainer.fit(report)
         extra["rollbacks"] = [{**r, "discarded": [asdict(d) for d in trainer.discarded]}
@@ -179,6 +216,7 @@ def fit(
     else:
         from pt_ray.service.trainer import run_on_ray
 
+        trained = None  # the parameters are in the checkpoint's shards
         run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice)
         cfg, device = run.config, run.device
         metric_name, timeline = run.metric_name, run.timeline
@@ -200,6 +238,7 @@ def fit(
         extra=extra,
     )
     _write_extras(cfg, summary, run_dir)
+    _export_model(cfg, run_dir, trained, extra.get("checkpoint"))
     return Result(cfg, timeline, metric_name, timeline[-1].eval_metric, wall, run_dir,
                   checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
                   restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))

@@ -1,10 +1,12 @@
-"""The ``pt-ray`` command line: ``pt-ray train [--config FILE] [--set key=value ...]``."""
+"""The ``pt-ray`` command line: ``pt-ray train [--config FILE] [--set key=value ...]``, and
+``plan``, ``report``, ``export`` and ``sweep``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from pt_ray.export_cli import add_export_parser
 from pt_ray.logs import setup_logging
 from pt_ray.plan_cli import add_plan_parser
 from pt_ray.report_cli import add_report_parser
@@ -39,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: <output_dir>/<name> from the config)")
     add_plan_parser(sub)
     add_report_parser(sub)
+    add_export_parser(sub)
     add_sweep_parser(sub)
     return parser
 
@@ -46,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pt-ray`` console script."""
     args = _parser().parse_args(argv)
-    if args.command in ("plan", "report", "sweep"):
+    if args.command in ("plan", "report", "export", "sweep"):
         return args.func(args)
     setup_logging()
     from pt_ray.api import fit, resolve_config

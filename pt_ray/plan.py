@@ -15,7 +15,7 @@ Pure module. The planner decides; the runtime executes. Given the frozen-prefix 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from pt_ray.partition import Partition, partition

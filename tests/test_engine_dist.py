@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_utils import run_ranks
 from pt_ray.config import build_config

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pt_ray.api import fit
+from pt_ray.cli import main
 from pt_ray.config import build_config
+from pt_ray.data.base import gather
+from pt_ray.data.registry import build_dataset
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers, read_meta
 from pt_ray.runtime.reference import ReferenceTrainer
@@ -102,3 +105,21 @@ def test_eval_and_checkpoint_cadence(ray_cluster, tmp_path, reference_params):
     folders = [p for p in (tmp_path / "ray-cadence" / "ray").rglob("checkpoint_*") if p.is_dir()]
     assert len(folders) == 1 and read_meta(Path(result.checkpoint))["epoch"] == 2
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+    # The run exported that checkpoint as a plain timm model, which scores the eval set as the
+    # pipelined, replicated evaluation did.
+    model = result.load_model()
+    assert type(model).__module__ == "timm.models.vision_transformer"
+    splits = build_dataset(result.config.data, seed=result.config.seed)
+    batch = gather(splits.eval, list(range(len(splits.eval))))
+    with torch.no_grad():
+        correct = (model(batch.inputs[0]).argmax(-1) == batch.target).sum().item()
+    assert abs(correct / len(splits.eval) - result.final_eval_metric) <= 1e-6
+    # `pt-ray export` finds the checkpoint again after the run folder has moved, and writes the
+    # same tensors.
+    moved = result.run_dir.rename(tmp_path / "moved")
+    assert main(["export", str(moved), "--out", str(tmp_path / "again")]) == 0
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    exported = load_file(str(moved / "model" / "model.safetensors"))
+    assert again.keys() == exported.keys()
+    assert all(torch.equal(again[k], v) for k, v in exported.items())

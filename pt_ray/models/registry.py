@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pt_ray.config import ModelConfig
-from pt_ray.models.base import ModelAdapter, Task
+from pt_ray.models.base import ModelAdapter
 from pt_ray.models.bert import HF_ENCODERS, HFEncoderAdapter, HFEncoderSpec
 from pt_ray.models.vit import TimmViTAdapter, load_timm_weights
 
@@ -133,7 +133,7 @@ def _build_timm(
         ) from None
     if cfg.weights is not None:
         load_timm_weights(model, cfg.weights)
-    return TimmViTAdapter(model, name=cfg.name)
+    return TimmViTAdapter(model, name=cfg.name, create_kwargs=kwargs)
 
 
 def _hf_type(cfg: ModelConfig) -> str:

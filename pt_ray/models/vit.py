@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +97,10 @@ class TimmViTAdapter:
     Args:
         model: a timm Vision Transformer with ``patch_embed``, ``_pos_embed``, ``blocks``,
             ``norm``, ``head`` and ``forward_head``.
-        name: the model's name, for error messages (default: its class name).
+        name: the timm model name it was built from (default: its class name, for messages).
+        create_kwargs: the keyword arguments ``timm.create_model`` built it with, kept so that
+            the trained model can be exported as ``create_model(name, **create_kwargs)`` plus a
+            state dict (None: unknown, and the model cannot be exported).
 
     Raises:
         ValueError: the model lacks one of those attributes, or has parameters outside them.
@@ -105,7 +109,13 @@ class TimmViTAdapter:
     family = "timm"
     input_names = ("pixel_values",)
 
-    def __init__(self, model: nn.Module, *, name: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        name: str | None = None,
+        create_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         label = name or type(model).__name__
         missing = [attr for attr in _REQUIRED if not hasattr(model, attr)]
         if missing:
@@ -120,6 +130,8 @@ class TimmViTAdapter:
             )
         self.task: Task = "classification"
         self.model = model
+        self.name = name
+        self.create_kwargs = dict(create_kwargs) if create_kwargs is not None else None
         self.embed = _TimmEmbed(model)
         self.blocks = nn.ModuleList(_TimmBlock(block) for block in model.blocks)
         self.head = _TimmHead(model)

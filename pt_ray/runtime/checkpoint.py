@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["META", "load_layers", "read_meta", "write_meta", "write_shard"]
+from pt_ray.models.base import ModelAdapter, layer_module, layer_names
+
+__all__ = ["META", "load_layers", "load_parameters", "read_meta", "write_meta", "write_shard"]
 
 META = "meta.json"
 
@@ -75,3 +77,19 @@ def load_layers(
             f"checkpoint {directory} holds no shard with layers {sorted(missing)}"
         )
     return found, norms
+
+
+def load_parameters(directory: Path, adapter: ModelAdapter) -> dict[str, Any]:
+    """Load every layer's parameters from a checkpoint into ``adapter``'s model (optimizer state
+    and gradient norms are left out); returns the checkpoint's metadata.
+
+    Raises:
+        FileNotFoundError: ``directory`` is no checkpoint, or a layer is in no shard.
+    """
+    meta = read_meta(directory)
+    names = layer_names(adapter.num_layers)
+    layers, _ = load_layers(directory, names)
+    with torch.no_grad():
+        for name in names:
+            layer_module(adapter, name).load_state_dict(layers[name]["params"])
+    return meta

@@ -167,7 +167,8 @@ class ReferenceTrainer:
         policy: FreezePolicy | None = None,
     ) -> None:
         self.cfg = cfg
-        self.splits = splits or build_dataset(cfg.data, seed=cfg.seed)
+        self.splits = splits or build_dataset(cfg.data, seed=cfg.seed,
+                                                 tokenizer_dir=cfg.model.weights)
         self.adapter = adapter or build_model_for(cfg, self.splits)
         # The run's order (cache blocks kept whole when the cache may turn on), as the engine's.
         self.sampler = training_sampler(cfg, len(self.splits.train),

