@@ -12,7 +12,9 @@ an absolute path outside it, the first of:
 4. ``~/pt-ray-runs/<name>``.
 
 ``<name>`` is the config's ``name``. The last line printed is ``summary: <absolute path>``.
-Exit status: 0 on success, 2 on a configuration error (nothing started), 1 on a failed run.
+Exit status: 0 on success; 2 on input it cannot use (a config value, or a dataset, weights,
+tokenizer or output folder the config names), reported as one line ``pt-ray: error: ...``
+before anything starts; 1 on a failed run.
 """
 
 from __future__ import annotations

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pt_ray.config import ConfigError, RunConfig, apply_overrides, build_config, load_config
 from pt_ray.summary import EpochRecord, format_epoch, write_summary
 
-__all__ = ["Result", "default_config_path", "fit", "preflight", "resolve_config"]
+if TYPE_CHECKING:
+    from pt_ray.data.base import DatasetSplits
+    from pt_ray.models.base import ModelAdapter
+
+__all__ = ["Result", "check_output_dir", "default_config_path", "fit", "preflight",
+           "resolve_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +47,34 @@ def resolve_config(
     return build_config(apply_overrides(config, overrides))
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Build the dataset and the model once in the driver, so that a bad path, model name or
-    layout fails here, before any Ray worker starts.
+def check_output_dir(run_dir: str | Path) -> None:
+    """Fail unless ``run_dir`` is a writable folder or can be created as one, creating nothing.
+
+    Raises:
+        ConfigError: a file is in the way, or the nearest existing folder is read-only.
+    """
+    path = Path(run_dir).absolute()
+    fix = "choose another --output (or output_dir/name in the config)"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output folder {str(path)!r} is a file, not a folder; {fix}")
+    existing = path
+    while not existing.exists():  # the root always exists
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output folder {str(path)!r} cannot be created: {str(existing)!r} "
+                          f"is a file, not a folder; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output folder {str(path)!r} cannot be created: {str(existing)!r} "
+                          f"is not writable; {fix}, or make it writable")
+
+
+def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:
+    """Build the dataset and the model once in the driver, so that a bad path, file, model name
+    or layout fails here, before any Ray worker starts.
+
+    Returns:
+        The built splits and model (the reference engine trains them; the Ray engine's workers
+        build their own).
 
     Raises:
         ConfigError: the configuration cannot run (the message names the field and the fix).
@@ -51,11 +82,11 @@ def preflight(cfg: RunConfig) -> None:
     from pt_ray.data.registry import build_dataset
     from pt_ray.runtime.reference import build_model_for
 
-    try:
-        splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-        num_layers = build_model_for(cfg, splits).num_layers
-    except (ValueError, FileNotFoundError) as err:
-        raise ConfigError(str(err)) from err
+    # The builders raise ConfigError for what the user gave them (paths, files, names, model
+    # fields); anything else they raise is a bug and keeps its traceback.
+    splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    adapter = build_model_for(cfg, splits)
+    num_layers = adapter.num_layers
     k = cfg.pipeline.pipeline_length
     if isinstance(k, int) and k > num_layers:
         raise ConfigError(
@@ -67,6 +98,7 @@ def preflight(cfg: RunConfig) -> None:
             f"freeze.max_frozen={cfg.freeze.max_frozen} exceeds the model's {num_layers} "
             f"blocks; choose at most {num_layers}"
         )
+    return splits, adapter
 
 
 def _write_extras(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
@@ -171,18 +203,31 @@ def fit(
         worker_env: extra environment variables for Ray's training workers.
 
     Raises:
-        ConfigError: a bad value, before anything is built; or ``pipeline.use_gpu=true`` on a
-            cluster without the GPUs, once Ray has started and before anything else has.
+        ConfigError: before anything starts or is written: a bad value, an output folder that
+            cannot be created, dataset, weights or tokenizer files that cannot be read, a model
+            that cannot be built, or ``pipeline.use_gpu=true`` on an embedded cluster without
+            the GPUs; or, on a cluster already running, ``pipeline.use_gpu=true`` without its
+            GPUs once Ray has connected and before anything else has started.
     """
     cfg = resolve_config(config, overrides)
-    choice = None
+    run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
+    check_output_dir(run_dir)
+    # Imported here so that config errors surface before torch, Ray and the model load.
     if cfg.engine == "ray":
         from pt_ray.service.trainer import cluster_devices, starts_embedded
 
         # An embedded cluster's GPUs are known now: a missing GPU fails before the preflight.
         choice = cluster_devices(cfg) if starts_embedded() else None
-        preflight(cfg)
-    run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
+    else:
+        from pt_ray.devices import choose_devices
+
+        choice = choose_devices(cfg, cluster_gpus=0)
+        logger.info(choice.describe())
+    built_from = time.perf_counter()
+    splits, adapter = preflight(cfg)
+    from pt_ray.control import cache_policy
+
+    logger.info(cache_policy(cfg, splits.train.deterministic_transform).describe())
 
     def start(resolved: RunConfig) -> None:
         # Written once devices and precision are resolved, before any worker starts.
@@ -195,19 +240,17 @@ def fit(
         else:
             logger.info(format_epoch(rec, cfg.epochs, metric_name))
 
-    t0 = time.perf_counter()
+    # The reference run's time counts building its dataset and model, as the Ray workers' does.
+    t0 = built_from if cfg.engine == "reference" else time.perf_counter()
     extra: dict[str, Any] = {"engine": cfg.engine}
-    # Imported here so that config errors surface before torch, Ray and the model load.
     if cfg.engine == "reference":
-        from pt_ray.devices import choose_devices
-
-        choice = choose_devices(cfg, cluster_gpus=0)
-        logger.info(choice.describe())
+        assert choice is not None
         cfg, device = choice.apply(cfg), choice.device
         start(cfg)
         from pt_ray.runtime.reference import ReferenceTrainer
 
-        trainer = ReferenceTrainer(cfg)
+        # The preflight's dataset and model: built once, in the order the trainer builds them.
+        trainer = ReferenceTrainer(cfg, splits=splits, adapter=adapter)
         trained = trainer.adapter
         metric_name = trainer.adapter.metric_name
         timeline = trainer.fit(report)
@@ -216,6 +259,7 @@ def fit(
     else:
         from pt_ray.service.trainer import run_on_ray
 
+        del splits, adapter  # the workers build their own
         trained = None  # the parameters are in the checkpoint's shards
         run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice)
         cfg, device = run.config, run.device

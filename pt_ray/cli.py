@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(err: BaseException) -> str:
+    """``err``'s message on one line (a quoted library message, e.g. YAML's, may span several)."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pt-ray`` console script."""
     args = _parser().parse_args(argv)
@@ -56,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = resolve_config(args.config, args.overrides)
-        # fit raises ConfigError too: from the preflight build, or a device choice the
-        # cluster cannot meet (pipeline.use_gpu=true without the GPUs).
+        # fit raises ConfigError too, before anything starts: an output folder that cannot be
+        # made, dataset or weights files that cannot be read, a model that cannot be built, a
+        # device choice the cluster cannot meet (pipeline.use_gpu=true without the GPUs).
         result = fit(cfg, output_dir=args.output)
     except ConfigError as err:
-        print(f"pt-ray: error: {err}", file=sys.stderr)
+        print(f"pt-ray: error: {one_line(err)}", file=sys.stderr)
         return 2
     print(
         f"done in {result.wall_time_s:.1f} s: final {result.metric_name} "

@@ -8,6 +8,7 @@ the value and what would be valid.
 from __future__ import annotations
 
 import difflib
+import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from pydantic import (
 __all__ = [
     "CacheConfig",
     "ConfigError",
+    "PICKLE_ERRORS",
     "DataConfig",
     "FreezeConfig",
     "LoggingConfig",
@@ -33,12 +35,34 @@ __all__ = [
     "PipelineConfig",
     "RunConfig",
     "apply_overrides",
+    "first_line",
     "load_config",
 ]
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and the fix."""
+    """User input that cannot be used: a configuration value, or a file or folder it names
+    (dataset files, weights, a tokenizer, the output folder).
+
+    The message names the field or file, the value and the fix. ``pt-ray train`` reports it as
+    one line, ``pt-ray: error: <message>``, with exit status 2; it is raised before a Ray
+    cluster starts or a run folder is written. Other exceptions are bugs and keep their
+    traceback.
+    """
+
+
+PICKLE_ERRORS: tuple[type[BaseException], ...] = (
+    pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, AttributeError,
+    ImportError, IndexError, KeyError)
+"""What unpickling a file that is not the expected pickle raises (truncated, foreign or not a
+pickle at all); a loader turns them into one :class:`ConfigError` naming the file."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of a library's error message (its type name when empty), for quoting it
+    inside a one-line :class:`ConfigError`."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 class _Section(BaseModel):
@@ -265,9 +289,11 @@ class CacheConfig(_Section):
     """AutoCache: the frozen prefix's activations in Ray's object store."""
 
     mode: Literal["auto", "on", "off"] = "auto"
-    """``auto``: on when the planner predicts a gain; ``on``: whenever a block is frozen;
-    ``off``: never. Either way it stays off when the training transform is random, unless
-    ``allow_random_transform`` is set."""
+    """``auto``: on when the planner predicts a gain, in runs that train in the block order
+    (``order=blocks``); with ``order=auto`` or ``samples`` the run keeps the plain order and
+    the cache stays off (whether it pays is only measured during the run, after the order is
+    fixed). ``on``: whenever a block is frozen. ``off``: never. It stays off when the
+    training transform is random, unless ``allow_random_transform`` is set."""
     allow_random_transform: bool = False
     """Cache even though the training transform is random (``data.augment``): the cache then
     keeps one augmented view per sample, so the frozen prefix stops seeing new views."""
@@ -283,7 +309,8 @@ class CacheConfig(_Section):
     order: Literal["auto", "blocks", "samples"] = "auto"
     """Training sample order. ``blocks``: each epoch shuffles the cache blocks and the samples
     within each block, so a step reads few objects; ``samples``: a plain permutation (the order
-    without a cache). ``auto``: ``blocks`` when the cache can turn on during the run."""
+    without a cache). ``auto``: ``blocks`` when the cache will turn on once a block freezes
+    (``mode=on``), else ``samples``."""
     budget_fraction: float = Field(default=0.5, gt=0, le=1)
     """Most of the cache node's object store the cache may fill; past it, new entries are
     refused and served as misses."""

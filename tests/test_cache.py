@@ -83,8 +83,40 @@ def test_cache_policy_and_the_order_that_follows():
     random = cache_policy(cfg(), deterministic_transform=False)
     assert random.mode == "off" and random.order == "samples"
     assert "cache.allow_random_transform=true" in random.reason
-    opted = cache_policy(cfg(cache={"allow_random_transform": True}), False)
+    opted = cache_policy(cfg(cache={"allow_random_transform": True, "order": "blocks"}), False)
     assert opted.mode == "auto" and opted.order == "blocks" and "allow_random" in opted.reason
+
+
+def test_auto_keeps_the_plain_order_unless_the_cache_will_turn_on():
+    # cache.mode=auto decides by costs measured during the run, after the order is fixed: with
+    # cache.order=auto it keeps the plain permutation, and so the cache stays off.
+    auto = cache_policy(cfg(cache={"mode": "auto"}), deterministic_transform=True)
+    assert (auto.mode, auto.order) == ("off", "samples")
+    assert "set cache.order=blocks or cache.mode=on" in auto.reason
+    plain = cache_policy(cfg(cache={"mode": "auto", "order": "samples"}), True)
+    assert (plain.mode, plain.order) == ("off", "samples")
+    # Opting in to the block order lets the planner turn the cache on where it predicts a gain.
+    blocks = cache_policy(cfg(cache={"mode": "auto", "order": "blocks"}), True)
+    assert (blocks.mode, blocks.order) == ("auto", "blocks")
+    # mode=on turns it on with the first frozen block: auto takes the block order; an explicit
+    # samples order is kept.
+    on = cache_policy(cfg(cache={"mode": "on", "order": "samples"}), True)
+    assert (on.mode, on.order) == ("on", "samples")
+    # The library default (mode auto, order auto) in one log line that says which and why.
+    assert cache_policy(build_config({}), True).describe() == (
+        "sample order samples (a plain permutation): cache.order=auto, and the cache stays "
+        "off; activation cache off: " + auto.reason)
+    assert cache_policy(cfg(cache={"mode": "on"}), True).describe() == (
+        "sample order blocks (cache blocks kept whole): cache.order=auto, and the cache turns "
+        "on with the first frozen block; activation cache on: cache.mode=on: on whenever a "
+        "block is frozen")
+
+
+def test_every_trainer_builds_the_order_the_policy_names():
+    for cache, blocks in (({"mode": "auto"}, False), ({"mode": "auto", "order": "blocks"}, True),
+                          ({"mode": "on"}, True), ({"mode": "off"}, False)):
+        sampler = training_sampler(cfg(cache=cache), 256, deterministic_transform=True)
+        assert (sampler.blocks is not None) == blocks, cache
 
 
 def test_cache_config_reads_yaml_on_off_and_rejects_bad_values():
@@ -138,10 +170,12 @@ def test_paper_policy_modes_reach_the_plans():
         p0 = state.plan_for(0)
         return [state.planner.next_plan(p0, n).cache for n in (1, 2, 4)]
 
-    assert plans(mode="auto") == [False, True, True]       # the break-even: 2 frozen blocks
+    # the break-even: 2 frozen blocks
+    assert plans(mode="auto", order="blocks") == [False, True, True]
     assert plans(mode="on") == [True, True, True]
     assert plans(mode="off") == [False, False, False]
-    assert plans(mode="auto", min_frozen=4) == [False, False, True]
+    assert plans(mode="auto", order="blocks", min_frozen=4) == [False, False, True]
+    assert plans(mode="auto") == [False, False, False]  # the plain order: no cache
 
 
 def test_cost_planner_min_frozen_floor():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pt_ray.config import DataConfig
+from pt_ray.config import ConfigError, DataConfig
 from pt_ray.data import (
     Batch,
     SampleDataset,
@@ -378,17 +378,17 @@ def test_squad_targets_decode_to_the_answer(tmp_path: Path) -> None:
 )
 def test_missing_files_name_the_path_and_layout(tmp_path: Path, name: str, layout: str) -> None:
     cfg = DataConfig(name=name, path=tmp_path / "nowhere", tokenizer=TOKENIZER or tmp_path)
-    with pytest.raises(FileNotFoundError, match=layout) as err:
+    with pytest.raises(ConfigError, match=layout) as err:
         build_dataset(cfg)
     assert str(tmp_path / "nowhere") in str(err.value)
 
 
 def test_missing_path_and_tokenizer_say_which_field(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"set data\.path"):
+    with pytest.raises(ConfigError, match=r"set data\.path"):
         build_dataset(DataConfig(name="cifar10"))
     for name in ("train.tsv", "dev.tsv"):
         (tmp_path / name).write_text("sentence\tlabel\nx\t0\n")
-    with pytest.raises(ValueError, match=r"data\.tokenizer"):
+    with pytest.raises(ConfigError, match=r"data\.tokenizer"):
         build_dataset(DataConfig(name="glue_tsv", path=tmp_path))
-    with pytest.raises(FileNotFoundError, match="tokenizer directory"):
+    with pytest.raises(ConfigError, match="tokenizer directory"):
         build_dataset(DataConfig(name="glue_tsv", path=tmp_path), tokenizer_dir=tmp_path / "tok")

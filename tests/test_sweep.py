@@ -191,19 +191,20 @@ def test_bad_grid_is_refused(items, fragment):
 def test_baseline_takes_the_alpha_trials_sample_order():
     from pt_ray.service.tune import _align_sample_order, _plan
 
-    variants, _, configs = _plan(None, [0.5], None, ["data.num_samples=64", "cache.mode=auto"],
+    variants, _, configs = _plan(None, [0.5], None, ["data.num_samples=64", "cache.mode=on"],
                                  True)
     variants = _align_sample_order(variants, configs)
-    # Freezing runs may cache, so they read in cache blocks; the baseline must read the same.
+    # Freezing runs cache, so they read in cache blocks; the baseline must read the same.
     assert configs["alpha-0.5"]["cache"]["order"] == "auto"
     assert configs["baseline"]["cache"]["order"] == "blocks"
     assert configs["baseline"]["freeze"]["policy"] == "none"
     assert variants[-1].overrides == ("freeze.policy=none", "cache.order=blocks")
 
-    variants, _, configs = _plan(None, [0.5], None, ["cache.mode=off"], True)
-    variants = _align_sample_order(variants, configs)
-    assert configs["baseline"]["cache"]["order"] == "auto"  # both read plain permutations
-    assert variants[-1].overrides == ("freeze.policy=none",)
+    for mode in ("off", "auto"):  # auto keeps the plain order unless cache.order=blocks
+        variants, _, configs = _plan(None, [0.5], None, [f"cache.mode={mode}"], True)
+        variants = _align_sample_order(variants, configs)
+        assert configs["baseline"]["cache"]["order"] == "auto"  # both read plain permutations
+        assert variants[-1].overrides == ("freeze.policy=none",)
 
 
 # -- concurrency ---------------------------------------------------------------------------------
@@ -331,10 +332,10 @@ def test_small_sweep_on_tune(ray_cluster, tmp_path):
     from pt_ray.service.tune import sweep
 
     out = tmp_path / "sweep"
-    # cache.mode=auto: the alpha trial reads in cache blocks, so the baseline must be pinned to
+    # cache.mode=on: the alpha trial reads in cache blocks, so the baseline must be pinned to
     # the same order for the two runs below to match.
     result = sweep(alphas=[0.5], overrides=["epochs=2", "data.num_samples=256", "engine=ray",
-                                            "pipeline.num_workers=2", "cache.mode=auto"],
+                                            "pipeline.num_workers=2", "cache.mode=on"],
                    output_dir=out)
     assert result.ok and result.concurrency == 1  # 4 CPUs / 2.05 per trial
     for name in ("sweep.json", "sweep.png", "sweep.txt"):

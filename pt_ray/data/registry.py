@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pt_ray.config import DataConfig
+from pt_ray.config import ConfigError, DataConfig
 from pt_ray.data.base import DatasetSplits, SubsetDataset
 from pt_ray.data.synthetic import synthetic_image, synthetic_text
 from pt_ray.data.text import load_glue_tsv, load_squad_json
@@ -28,7 +28,7 @@ SYNTHETIC_NUM_EVAL = 512
 
 def _path(cfg: DataConfig) -> Path:
     if cfg.path is None:
-        raise ValueError(
+        raise ConfigError(
             f"data.name={cfg.name} reads local files; set data.path to their folder "
             "(nothing is downloaded)"
         )
@@ -138,12 +138,12 @@ def build_dataset(
         and caps the training split (a seeded random subset) for the others.
 
     Raises:
-        ValueError: an unknown name, a missing ``data.path`` or tokenizer.
-        FileNotFoundError: dataset files are missing; the message gives the expected layout.
+        ConfigError: an unknown name; a missing ``data.path`` or tokenizer; dataset files that
+            are missing (the message gives the expected layout) or cannot be read.
     """
     builder = DATASETS.get(cfg.name)
     if builder is None:
-        raise ValueError(f"data.name={cfg.name!r} is unknown; choose one of {sorted(DATASETS)}")
+        raise ConfigError(f"data.name={cfg.name!r} is unknown; choose one of {sorted(DATASETS)}")
     if cfg.augment and cfg.name not in _AUGMENTABLE:
         logger.warning(
             "data.augment=true has no effect on %s (only %s augment)", cfg.name,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pt_ray.config import ConfigError
 from pt_ray.data.base import DatasetSplits, Task, TensorSampleDataset
 
 __all__ = ["PAD_ID", "CLS_ID", "SEP_ID", "TEXT_INPUTS", "synthetic_image", "synthetic_text"]
@@ -176,7 +177,8 @@ def synthetic_text(
     qa = task == "question_answering"
     min_len = 16 if qa else _PLANTED + 5
     if seq_len < min_len:
-        raise ValueError(f"seq_len={seq_len} is too short for synthetic {task}; use >= {min_len}")
+        raise ConfigError(f"data.seq_len={seq_len} is too short for synthetic {task}; "
+                          f"use >= {min_len}")
     if num_samples <= 0 or num_eval <= 0:
         raise ValueError(f"num_samples={num_samples} and num_eval={num_eval} must be positive")
     if not qa and num_classes < 2:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pt_ray.config import ConfigError, first_line
 from pt_ray.data.base import DatasetSplits, TensorSampleDataset
 from pt_ray.data.synthetic import TEXT_INPUTS
 
@@ -37,23 +38,31 @@ def load_tokenizer(tokenizer_dir: str | Path | None) -> Any:
     """A Hugging Face tokenizer from a local directory (``local_files_only``).
 
     Raises:
-        ValueError: no directory was given.
-        FileNotFoundError: the directory does not exist.
+        ConfigError: no directory was given, it does not exist, or it holds no tokenizer
+            that loads.
     """
     if tokenizer_dir is None:
-        raise ValueError(
+        raise ConfigError(
             "text datasets need a local tokenizer; set data.tokenizer (or model.weights) to a "
             "directory holding tokenizer.json or vocab.txt"
         )
     path = Path(tokenizer_dir)
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise ConfigError(
             f"tokenizer directory {str(path)!r} not found; set data.tokenizer to a local "
             "Hugging Face model directory (tokenizer.json / vocab.txt, tokenizer_config.json)"
         )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        # transformers reports a folder without tokenizer files, or with unreadable ones, so.
+        raise ConfigError(
+            f"tokenizer directory {str(path)!r} holds no tokenizer that loads "
+            f"({first_line(err)}); set data.tokenizer (or model.weights) to a directory with "
+            "tokenizer.json or vocab.txt and tokenizer_config.json, as save_pretrained writes"
+        ) from err
 
 
 def _encode(tokenizer: Any, first: list[str], second: list[str] | None, seq_len: int,
@@ -77,10 +86,16 @@ def _inputs(enc: Any) -> tuple[torch.Tensor, ...]:
 
 
 def _read_tsv(path: Path) -> tuple[list[str], list[list[str]]]:
-    with path.open(encoding="utf-8", newline="") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise ConfigError(
+            f"{str(path)!r} cannot be read as tab-separated UTF-8 text ({first_line(err)}); "
+            "save it as UTF-8 TSV with a header row"
+        ) from err
     if not rows:
-        raise ValueError(f"{str(path)!r} is empty; expected a header row and one row per example")
+        raise ConfigError(f"{str(path)!r} is empty; expected a header row and one row per example")
     header, body = rows[0], rows[1:]
     good = [r for r in body if len(r) == len(header)]
     if len(good) < len(body):
@@ -94,7 +109,7 @@ def _columns(header: Sequence[str], path: Path) -> tuple[str, str | None, str]:
     text = pair or (("sentence", None) if "sentence" in header else None)
     if label is None or text is None:
         pairs = ", ".join(f"{a}+{b}" for a, b in PAIR_COLUMNS)
-        raise ValueError(
+        raise ConfigError(
             f"{str(path)!r} has columns {list(header)}; expected a header with a 'label' column "
             f"and either 'sentence' or a pair ({pairs})"
         )
@@ -108,7 +123,7 @@ def _label_map(values: Sequence[str], path: Path) -> dict[str, int]:
     except ValueError:
         return {v: i for i, v in enumerate(names)}  # named labels, e.g. MNLI's
     if any(x != int(x) or x < 0 for x in numbers.values()):
-        raise ValueError(
+        raise ConfigError(
             f"{str(path)!r} has labels {names[:5]} that are not class ids (non-negative "
             "integers); regression tasks such as STS-B are not supported"
         )
@@ -130,8 +145,8 @@ def load_glue_tsv(
         seq_len: padded/truncated sequence length.
 
     Raises:
-        FileNotFoundError: a file is missing; the message gives the expected layout.
-        ValueError: the columns or labels are not recognised.
+        ConfigError: a file is missing (the message gives the expected layout) or unreadable,
+            the columns or labels are not recognised, or the tokenizer does not load.
     """
     root = Path(root)
     train_path = root / "train.tsv"
@@ -140,9 +155,10 @@ def load_glue_tsv(
     )
     for p in (train_path, dev_path):
         if not p.is_file():
-            raise FileNotFoundError(
-                f"GLUE file {str(p)!r} not found; expected <path>/train.tsv and <path>/dev.tsv, "
-                "tab-separated with a header row (sentence or sentence1/sentence2 ..., label)"
+            raise ConfigError(
+                f"GLUE file {str(p)!r} not found; set data.path to a folder holding train.tsv "
+                "and dev.tsv, tab-separated with a header row (sentence or sentence1/sentence2 "
+                "..., label)"
             )
     tokenizer = load_tokenizer(tokenizer_dir)
     tables = {"train": _read_tsv(train_path), "dev": _read_tsv(dev_path)}
@@ -157,7 +173,7 @@ def load_glue_tsv(
         labels = [r[col[label]] for r in rows]
         unknown = sorted(set(labels) - set(mapping))
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{str(path)!r} has labels {unknown[:5]} that never occur in {str(train_path)!r}"
             )
         enc = _encode(
@@ -186,26 +202,27 @@ def load_glue_tsv(
 def _squad_examples(path: Path) -> list[tuple[str, str, int, int]]:
     """``(question, context, answer_start_char, answer_end_char)`` per question (first answer;
     ``(-1, -1)`` when it has none, as in SQuAD v2's impossible questions)."""
+    out = []
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))["data"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(
-            f"{str(path)!r} is not SQuAD v1.1 JSON ({err}); expected "
+        for article in json.loads(path.read_text(encoding="utf-8"))["data"]:
+            for para in article["paragraphs"]:
+                context = para["context"]
+                for qa in para["qas"]:
+                    answers = qa.get("answers") or []
+                    if answers:
+                        start = int(answers[0]["answer_start"])
+                        out.append((qa["question"].lstrip(), context, start,
+                                    start + len(answers[0]["text"])))
+                    else:
+                        out.append((qa["question"].lstrip(), context, -1, -1))
+    # Invalid JSON or UTF-8 (ValueErrors), a missing field, a field of another type.
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        what = f"missing field {err}" if isinstance(err, KeyError) else first_line(err)
+        raise ConfigError(
+            f"{str(path)!r} is not SQuAD v1.1 JSON ({what}); expected "
             '{"data": [{"paragraphs": [{"context": ..., "qas": [{"question": ..., '
             '"answers": [{"text": ..., "answer_start": ...}]}]}]}]}'
         ) from None
-    out = []
-    for article in data:
-        for para in article["paragraphs"]:
-            context = para["context"]
-            for qa in para["qas"]:
-                answers = qa.get("answers") or []
-                if answers:
-                    start = int(answers[0]["answer_start"])
-                    out.append((qa["question"].lstrip(), context, start,
-                                start + len(answers[0]["text"])))
-                else:
-                    out.append((qa["question"].lstrip(), context, -1, -1))
     return out
 
 
@@ -240,20 +257,20 @@ def load_squad_json(
         seq_len: padded/truncated sequence length.
 
     Raises:
-        FileNotFoundError: a file is missing; the message gives the expected layout.
-        ValueError: the JSON is not SQuAD-shaped or the tokenizer is not a fast one.
+        ConfigError: a file is missing (the message gives the expected layout), the JSON is not
+            SQuAD-shaped, or the tokenizer does not load or is not a fast one.
     """
     root = Path(root)
     paths = {"train": root / "train.json", "dev": root / "dev.json"}
     for p in paths.values():
         if not p.is_file():
-            raise FileNotFoundError(
-                f"SQuAD file {str(p)!r} not found; expected <path>/train.json and "
-                "<path>/dev.json in SQuAD v1.1 format (rename train-v1.1.json, dev-v1.1.json)"
+            raise ConfigError(
+                f"SQuAD file {str(p)!r} not found; set data.path to a folder holding train.json "
+                "and dev.json in SQuAD v1.1 format (rename train-v1.1.json, dev-v1.1.json)"
             )
     tokenizer = load_tokenizer(tokenizer_dir)
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer in {str(tokenizer_dir)!r} is not a fast tokenizer; SQuAD needs offset "
             "mappings, so provide a directory with tokenizer.json"
         )
@@ -261,7 +278,8 @@ def load_squad_json(
     for split, path in paths.items():
         examples = _squad_examples(path)
         if not examples:
-            raise ValueError(f"{str(path)!r} holds no questions")
+            raise ConfigError(f"{str(path)!r} holds no questions; give at least one in each "
+                              "file")
         enc = _encode(
             tokenizer,
             [e[0] for e in examples],

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pt_ray.config import PICKLE_ERRORS, ConfigError, first_line
 from pt_ray.data.base import Batch, DatasetSplits, TensorSampleDataset
 from pt_ray.data.transforms import (
     CIFAR10_STATS,
@@ -217,9 +218,16 @@ def load_digits(image_size: int | None = None, seed: int = 0) -> DatasetSplits:
     )
 
 
-def _unpickle(path: Path) -> dict[str, Any]:
-    with path.open("rb") as f:
-        raw = pickle.load(f, encoding="bytes")
+def _unpickle(path: Path, fix: str) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            raw = pickle.load(f, encoding="bytes")
+    except PICKLE_ERRORS as err:
+        raise ConfigError(f"{str(path)!r} cannot be read as a CIFAR python batch "
+                          f"({first_line(err)}); {fix}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{str(path)!r} holds a pickled {type(raw).__name__}, not a CIFAR "
+                          f"python batch (a dict); {fix}")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
 
 
@@ -231,26 +239,30 @@ _CIFAR = {
 }
 
 
+def _cifar_fix(num_classes: int) -> str:
+    folder, train, test, _, archive = _CIFAR[num_classes]
+    return (f"expected the python pickle batches ({', '.join(train + test)}) in "
+            f"<path>/{folder}/, as unpacked from the official {archive}; set data.path to the "
+            f"folder that holds {folder}/")
+
+
 def _cifar_layout(root: Path, num_classes: int) -> tuple[list[Path], list[Path], str]:
-    folder, train, test, key, archive = _CIFAR[num_classes]
+    folder, train, test, key, _ = _CIFAR[num_classes]
     base = root if root.name == folder else root / folder
     for name in train + test:
         if not (base / name).is_file():
-            raise FileNotFoundError(
-                f"CIFAR-{num_classes} file {str(base / name)!r} not found; expected the python "
-                f"pickle batches ({', '.join(train + test)}) in <path>/{folder}/, as unpacked "
-                f"from the official {archive}; set data.path to the folder that holds {folder}/"
-            )
+            raise ConfigError(f"CIFAR-{num_classes} file {str(base / name)!r} not found; "
+                              f"{_cifar_fix(num_classes)}")
     return [base / n for n in train], [base / n for n in test], key
 
 
-def _read_cifar(files: list[Path], key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_unpickle(f) for f in files]
+def _read_cifar(files: list[Path], key: str, fix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [_unpickle(f, fix) for f in files]
     for f, p in zip(files, parts, strict=True):
         if "data" not in p or key not in p:
-            raise ValueError(
+            raise ConfigError(
                 f"{str(f)!r} is not a CIFAR python batch: it lacks 'data' or {key!r} "
-                f"(has {sorted(p)})"
+                f"(has {sorted(p)}); {fix}"
             )
     data = np.concatenate([np.asarray(p["data"], dtype=np.uint8) for p in parts])
     labels = np.concatenate([np.asarray(p[key], dtype=np.int64) for p in parts])
@@ -277,7 +289,8 @@ def load_cifar(
         seed: the augmentation key.
 
     Raises:
-        FileNotFoundError: a batch file is missing; the message gives the expected layout.
+        ConfigError: a batch file is missing (the message gives the expected layout) or is not
+            a CIFAR python batch.
     """
     if num_classes not in (10, 100):
         raise ValueError(f"num_classes={num_classes} must be 10 (CIFAR-10) or 100 (CIFAR-100)")
@@ -285,8 +298,9 @@ def load_cifar(
     mean, std = CIFAR10_STATS if num_classes == 10 else CIFAR100_STATS
     size = image_size or 32
     out_size = None if size == 32 else size
-    x_train, y_train = _read_cifar(train_files, key)
-    x_test, y_test = _read_cifar(test_files, key)
+    fix = _cifar_fix(num_classes)
+    x_train, y_train = _read_cifar(train_files, key, fix)
+    x_test, y_test = _read_cifar(test_files, key, fix)
     logger.info("cifar%d: %d train, %d eval images", num_classes, len(y_train), len(y_test))
     return DatasetSplits(
         name=f"cifar{num_classes}",
@@ -327,26 +341,28 @@ def load_imagefolder(
         seed: the augmentation key.
 
     Raises:
-        FileNotFoundError: ``train``/``val`` is missing or holds no images.
-        ValueError: ``val`` has a class that ``train`` lacks.
+        ConfigError: ``train``/``val`` is missing or holds no images, or ``val`` has a class
+            that ``train`` lacks.
     """
     root = Path(root)
     layout = (
-        f"expected {root}/train/<class>/*.png|jpg|... and {root}/val/<class>/*.png|jpg|... "
+        f"{root}/train/<class>/*.png|jpg|... and {root}/val/<class>/*.png|jpg|... "
         f"(extensions: {', '.join(IMAGE_EXTENSIONS)})"
     )
     splits: dict[str, dict[str, list[Path]]] = {}
     for split in ("train", "val"):
         d = root / split
         if not d.is_dir():
-            raise FileNotFoundError(f"image folder {str(d)!r} not found; {layout}")
+            raise ConfigError(f"image folder {str(d)!r} not found; set data.path to a "
+                              f"folder laid out as {layout}")
         splits[split] = _scan(d)
         if not any(splits[split].values()):
-            raise FileNotFoundError(f"no images found under {str(d)!r}; {layout}")
+            raise ConfigError(f"no images found under {str(d)!r}; set data.path to a "
+                              f"folder laid out as {layout}")
     classes = sorted(c for c, files in splits["train"].items() if files)
     unknown = sorted(c for c, files in splits["val"].items() if files and c not in classes)
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"{str(root / 'val')!r} has classes {unknown} with no training images under "
             f"{str(root / 'train')!r}; add them to train/ or remove them from val/"
         )

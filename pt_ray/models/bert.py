@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 
+from pt_ray.config import ConfigError
 from pt_ray.models.base import State, Task, check_partition
 
 __all__ = ["HF_ENCODERS", "HFEncoderAdapter", "HFEncoderSpec"]
@@ -215,8 +216,8 @@ class HFEncoderAdapter:
         task: what the head computes.
 
     Raises:
-        ValueError: the model type is unsupported, the model is a decoder, or it lacks the
-            modules the task needs.
+        ConfigError: the model type is unsupported or the model is a decoder.
+        ValueError: it lacks the modules the task needs.
     """
 
     family = "hf"
@@ -226,12 +227,12 @@ class HFEncoderAdapter:
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in HF_ENCODERS:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(model).__name__} has model_type={model_type!r}, which has no adapter; "
                 f"choose one of {', '.join(sorted(HF_ENCODERS))}"
             )
         if getattr(config, "is_decoder", False):
-            raise ValueError(
+            raise ConfigError(
                 f"{type(model).__name__} is configured as a decoder (is_decoder=True); pt-ray "
                 "cuts bidirectional encoders only, so set is_decoder=False"
             )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import difflib
 import logging
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pt_ray.config import ModelConfig
+from pt_ray.config import ConfigError, ModelConfig, first_line
 from pt_ray.models.base import ModelAdapter
 from pt_ray.models.bert import HF_ENCODERS, HFEncoderAdapter, HFEncoderSpec
 from pt_ray.models.vit import TimmViTAdapter, load_timm_weights
@@ -52,8 +53,10 @@ def build_adapter(
         The adapter, with its model in train mode.
 
     Raises:
-        ValueError: an unknown model name or type (with the close or supported ones), a task the
-            family does not support, conflicting overrides, or weights that do not fit.
+        ConfigError: an unknown model name or type (with the close or supported ones), a task
+            the family does not support, conflicting overrides, model fields the architecture
+            cannot be built with, or weights that are missing, unreadable or do not fit.
+        ValueError: ``task`` is neither classification nor question answering.
     """
     if task not in _TASKS:
         raise ValueError(f"task={task!r} is not supported; choose one of {', '.join(_TASKS)}")
@@ -81,7 +84,7 @@ def _merge(kwargs: dict[str, Any], overrides: dict[str, Any], names: dict[str, s
     for key, value in overrides.items():
         if key in kwargs and kwargs[key] != value:
             field = names.get(key, key)
-            raise ValueError(
+            raise ConfigError(
                 f"model.overrides[{key!r}]={value!r} conflicts with {field}={kwargs[key]!r}; "
                 "set it in one place"
             )
@@ -98,15 +101,15 @@ def _build_timm(
     import timm
 
     if task != "classification":
-        raise ValueError(
+        raise ConfigError(
             f"task={task!r} is not supported for model.family=timm; timm models classify "
-            "images (task='classification')"
+            "images (task='classification'): use model.family=hf for question answering"
         )
     if not timm.is_model(cfg.name):
         close = difflib.get_close_matches(cfg.name, timm.list_models(), n=5, cutoff=0.6)
         if not close:
             close = timm.list_models("vit_tiny*")[:3] + timm.list_models("deit_tiny*")[:2]
-        raise ValueError(
+        raise ConfigError(
             f"model.name={cfg.name!r} is not a timm model; close names: {', '.join(close)}"
         )
     fields = {
@@ -127,10 +130,15 @@ def _build_timm(
     try:
         model = timm.create_model(cfg.name, pretrained=False, **kwargs)
     except TypeError as err:
-        raise ValueError(
-            f"timm model {cfg.name!r} rejected the arguments {sorted(kwargs)}: {err}; use a "
-            "vit_* or deit_* model, or drop the unsupported model fields/overrides"
+        raise ConfigError(
+            f"timm model {cfg.name!r} rejected the arguments {sorted(kwargs)}: "
+            f"{first_line(err)}; use a vit_* or deit_* model, or drop the unsupported model "
+            "fields/overrides"
         ) from None
+    except (AssertionError, ValueError, RuntimeError, KeyError) as err:
+        # timm checks its arguments with asserts (e.g. width divisible by the heads) and looks
+        # names up (an unknown activation in model.overrides is a KeyError).
+        raise ConfigError(_unbuildable(cfg, kwargs, err)) from None
     if cfg.weights is not None:
         load_timm_weights(model, cfg.weights)
     return TimmViTAdapter(model, name=cfg.name, create_kwargs=kwargs)
@@ -143,7 +151,7 @@ def _hf_type(cfg: ModelConfig) -> str:
         prefixed = sorted((t for t in HF_ENCODERS if name.startswith(t)), key=len, reverse=True)
         close = prefixed[:1] or difflib.get_close_matches(name, list(HF_ENCODERS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(
+        raise ConfigError(
             f"model.name={cfg.name!r} is not a supported Hugging Face encoder type; {hint}"
             f"choose one of {', '.join(sorted(HF_ENCODERS))} (or set model.weights to a local "
             "model directory)"
@@ -151,9 +159,23 @@ def _hf_type(cfg: ModelConfig) -> str:
     return name
 
 
+def _unbuildable(cfg: ModelConfig, kwargs: dict[str, Any], err: BaseException) -> str:
+    """The one-line error for model fields the architecture cannot be built with."""
+    why = first_line(err)
+    if "head" in why:  # the width is not a multiple of the heads (timm's and HF's wording)
+        fix = ("set model.num_heads to a divisor of the width" if cfg.num_heads is None else
+               f"set model.width to a multiple of model.num_heads={cfg.num_heads}")
+    else:
+        fix = ("change the model fields (model.depth, width, num_heads, mlp_ratio, "
+               "patch_size) or model.overrides")
+    shown = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+    return (f"model.name={cfg.name!r} cannot be built with {shown or 'its defaults'}: {why}; "
+            f"{fix}")
+
+
 def _check_weights_dir(path: Path) -> None:
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"model.weights={str(path)!r} is not a Hugging Face model directory; it must hold "
             "config.json and the weights (model.safetensors or pytorch_model.bin), as written "
             "by save_pretrained"
@@ -196,22 +218,31 @@ def _build_hf(
         if vocab_size is not None:
             kwargs["vocab_size"] = vocab_size
         _merge(kwargs, overrides, _field_names(spec))
-        config = AutoConfig.for_model(model_type, **kwargs)
-        _fit_positions(config, spec, seq_len, grow=True)
-        model = auto.from_config(config, **model_kwargs)
+        try:
+            config = AutoConfig.for_model(model_type, **kwargs)
+            _fit_positions(config, spec, seq_len, grow=True)
+            model = auto.from_config(config, **model_kwargs)
+        except (ValueError, TypeError, AssertionError, KeyError) as err:
+            raise ConfigError(_unbuildable(cfg, kwargs, err)) from None
     else:
         path = Path(cfg.weights)
         _check_weights_dir(path)
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as err:  # transformers' words for an unreadable config
+            raise ConfigError(
+                f"model.weights={str(path)!r}: config.json cannot be read ({first_line(err)}); "
+                "point model.weights at a directory written by save_pretrained"
+            ) from None
         model_type = config.model_type
         if model_type not in HF_ENCODERS:
-            raise ValueError(
+            raise ConfigError(
                 f"model.weights={str(path)!r} holds a {model_type!r} model, which has no "
                 f"adapter; supported types: {', '.join(sorted(HF_ENCODERS))}"
             )
         asked = cfg.name.lower().replace("_", "-")
         if asked in HF_ENCODERS and asked != model_type:
-            raise ValueError(
+            raise ConfigError(
                 f"model.name={cfg.name!r} but model.weights={str(path)!r} holds a "
                 f"{model_type!r} model; set model.name={model_type!r}"
             )
@@ -223,13 +254,29 @@ def _build_hf(
         for key, value in kwargs.items():
             setattr(config, key, value)
         if vocab_size is not None and vocab_size > config.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"vocab_size={vocab_size} exceeds the checkpoint's vocab_size={config.vocab_size} "
                 f"in {str(path)!r}; use the checkpoint's tokenizer"
             )
         _fit_positions(config, spec, seq_len, grow=False)
-        model = auto.from_pretrained(path, config=config, local_files_only=True, **model_kwargs)
+        model = _from_pretrained(auto, path, config, model_kwargs)
     return HFEncoderAdapter(model, task)  # type: ignore[arg-type]
+
+
+def _from_pretrained(auto: Any, path: Path, config: Any, model_kwargs: dict[str, Any]) -> Any:
+    """``auto.from_pretrained`` of a local directory; a missing or unreadable weights file is a
+    ConfigError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return auto.from_pretrained(path, config=config, local_files_only=True, **model_kwargs)
+    # transformers reports missing weights as OSError, a damaged safetensors file as
+    # SafetensorError, a damaged torch.save file as RuntimeError, UnpicklingError or EOFError.
+    except (OSError, RuntimeError, SafetensorError, pickle.UnpicklingError, EOFError) as err:
+        raise ConfigError(
+            f"model.weights={str(path)!r}: the weights cannot be loaded ({first_line(err)}); it "
+            "must hold model.safetensors or pytorch_model.bin as written by save_pretrained"
+        ) from None
 
 
 def _field_names(spec: HFEncoderSpec) -> dict[str, str]:
@@ -273,7 +320,7 @@ def _pretrained_kwargs(cfg: ModelConfig, spec: HFEncoderSpec, config: Any) -> di
     }
     for field, (asked, actual) in fixed.items():
         if asked is not None and abs(asked - actual) > 1e-9:
-            raise ValueError(
+            raise ConfigError(
                 f"{field}={asked} differs from the checkpoint in {str(cfg.weights)!r} "
                 f"({actual:g}); leave {field} unset to use the checkpoint's"
             )
@@ -281,7 +328,7 @@ def _pretrained_kwargs(cfg: ModelConfig, spec: HFEncoderSpec, config: Any) -> di
     depth = getattr(config, spec.depth)
     if cfg.depth is not None:
         if cfg.depth > depth:
-            raise ValueError(
+            raise ConfigError(
                 f"model.depth={cfg.depth} exceeds the checkpoint's {depth} layers in "
                 f"{str(cfg.weights)!r}; choose at most {depth} (the first layers are kept)"
             )
@@ -299,7 +346,7 @@ def _fit_positions(config: Any, spec: HFEncoderSpec, seq_len: int | None, *, gro
     if config.max_position_embeddings >= needed:
         return
     if not grow:
-        raise ValueError(
+        raise ConfigError(
             f"seq_len={seq_len} needs {needed} positions but the checkpoint has "
             f"max_position_embeddings={config.max_position_embeddings}; choose "
             f"data.seq_len <= {seq_len - needed + config.max_position_embeddings}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import pickle
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pt_ray.config import PICKLE_ERRORS, ConfigError, first_line
 from pt_ray.models.base import State, Task, check_partition
 
 __all__ = ["TimmViTAdapter", "load_timm_weights", "read_state_dict"]
@@ -103,7 +106,8 @@ class TimmViTAdapter:
             state dict (None: unknown, and the model cannot be exported).
 
     Raises:
-        ValueError: the model lacks one of those attributes, or has parameters outside them.
+        ConfigError: the model lacks one of those attributes (it is not a ViT).
+        ValueError: it has parameters outside them.
     """
 
     family = "timm"
@@ -119,12 +123,12 @@ class TimmViTAdapter:
         label = name or type(model).__name__
         missing = [attr for attr in _REQUIRED if not hasattr(model, attr)]
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"timm model {label!r} is not a VisionTransformer-like model: it lacks "
                 f"{', '.join(missing)}; use a vit_* or deit_* model"
             )
         if not isinstance(model.blocks, (nn.Sequential, nn.ModuleList)):
-            raise ValueError(
+            raise ConfigError(
                 f"timm model {label!r}: blocks is a {type(model.blocks).__name__}, expected an "
                 "nn.Sequential or nn.ModuleList of transformer blocks; use a vit_* or deit_* model"
             )
@@ -162,33 +166,51 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     A checkpoint that wraps its weights under ``"state_dict"`` or ``"model"`` is unwrapped.
 
     Raises:
-        ValueError: the file is missing, has an unknown suffix, or holds no state dict.
+        ConfigError: the file is missing, has an unknown suffix, cannot be read, or holds no
+            state dict.
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(
+        raise ConfigError(
             f"model.weights={str(path)!r} is not a file; give a timm state-dict file "
             "(.pt, .pth, .bin or .safetensors)"
         )
     suffix = path.suffix.lower()
-    if suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path), device="cpu")
-    elif suffix in (".pt", ".pth", ".bin"):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    else:
-        raise ValueError(
+    if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+        raise ConfigError(
             f"model.weights={str(path)!r} has suffix {suffix!r}; timm weights must be a "
             "state-dict file ending in .pt, .pth, .bin or .safetensors"
         )
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    # Warnings from a file that then fails to load would print above the one-line error.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if suffix == ".safetensors":
+                state = load_file(str(path), device="cpu")
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        # A damaged or foreign file: safetensors' own error; torch.load's RuntimeError (not a
+        # zip archive) or an unpickling error (objects other than tensors, truncated, garbage).
+        except (SafetensorError, RuntimeError, *PICKLE_ERRORS) as err:
+            why = ("objects other than tensors, or not a torch.save file"
+                   if isinstance(err, pickle.UnpicklingError) else first_line(err))
+            raise ConfigError(
+                f"model.weights={str(path)!r} cannot be read as a {suffix} state dict ({why}); "
+                "save one with torch.save(model.state_dict(), path) or "
+                "safetensors.torch.save_file"
+            ) from None
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     for key in ("state_dict", "model"):
         if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
             state = state[key]
     if not isinstance(state, Mapping) or not all(
         isinstance(v, torch.Tensor) for v in state.values()
     ):
-        raise ValueError(
+        raise ConfigError(
             f"model.weights={str(path)!r} does not hold a state dict of tensors; save one with "
             "torch.save(model.state_dict(), path)"
         )
@@ -210,7 +232,8 @@ def load_timm_weights(model: nn.Module, path: str | Path) -> None:
     checkpoint): everything else loads and the freshly initialised head is kept.
 
     Raises:
-        ValueError: a key outside the head is missing, unexpected or of another shape.
+        ConfigError: the file cannot be read (see :func:`read_state_dict`), or a key outside
+            the head is missing, unexpected or of another shape.
     """
     state = read_state_dict(path)
     own = model.state_dict()
@@ -238,7 +261,7 @@ def load_timm_weights(model: nn.Module, path: str | Path) -> None:
             parts.append(f"unexpected keys {_first(bad_unexpected)}")
         if bad_shapes:
             parts.append(f"shape mismatches (file vs model) {_first(bad_shapes)}")
-        raise ValueError(
+        raise ConfigError(
             f"model.weights={str(path)!r} does not fit the model: {'; '.join(parts)}; build the "
             "same architecture (model.name, depth, width, num_heads, patch_size, image size) "
             "as the checkpoint"

@@ -19,6 +19,7 @@ from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pt_ray.config import RunConfig
+from pt_ray.control import cache_policy
 from pt_ray.devices import DeviceChoice, choose_devices
 from pt_ray.service.cache import CacheActor, cache_name, object_store_report
 from pt_ray.service.controller import ControllerActor, controller_name
@@ -189,9 +190,10 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path,
         cfg.model_dump(mode="json")
     )
     # The cache's owner outlives worker restarts (objects die with whoever put them). Whether
-    # the cache may really turn on (the dataset's transform) is the workers' call.
+    # the cache may really turn on (the dataset's transform) is the workers' call; the config
+    # alone may already rule it out (cache.mode=off, nothing freezes, auto in the plain order).
     cache = None
-    if cfg.cache.mode != "off" and cfg.freeze.policy != "none":
+    if cache_policy(cfg, deterministic_transform=True).mode != "off":
         cache = CacheActor.options(name=cache_name(run_id)).remote(
             cfg.cache.budget_fraction, cfg.cache.budget_bytes)
     use_gpu = choice.use_gpu

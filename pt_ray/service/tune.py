@@ -206,10 +206,11 @@ def _align_sample_order(variants: list[Variant], configs: dict[str, dict[str, An
                         ) -> list[Variant]:
     """Give each baseline the sample order of the alpha trials it is compared with.
 
-    With ``cache.order=auto`` the order follows whether the activation cache may turn on, which
-    ``freeze.policy=none`` rules out: left alone, the baseline would see other batches than
-    the freezing runs from the first step. Pinning ``cache.order`` changes no speed (the
-    baseline's cache stays off) and makes the warm-up epochs of every trial identical.
+    With ``cache.order=auto`` the order follows whether the activation cache will turn on
+    (:func:`pt_ray.control.cache_policy`), which ``freeze.policy=none`` rules out: left alone,
+    the baseline would see other batches than the freezing runs from the first step. Pinning
+    ``cache.order`` changes no speed (the baseline's cache stays off) and makes the warm-up
+    epochs of every trial identical.
     """
     from pt_ray.config import build_config
     from pt_ray.control import cache_policy
