@@ -277,6 +277,14 @@ class OptimizerConfig(_Section):
     """Clip the global gradient norm of the active parameters to this value (None: no clip)."""
     scale_lr_with_replicas: bool = False
     """With ``batch_policy=per_replica``, scale ``lr`` linearly with the number of replicas."""
+    accumulation_steps: int = Field(default=1, ge=1)
+    """Gradient accumulation, for a batch whose activations do not fit: each optimizer step
+    still covers ``data.batch_size`` samples (the global batch; per replica under
+    ``per_replica``), run as this many consecutive chunks of ``batch_size / accumulation_steps``,
+    each split over the replicas and micro-batches as a whole batch would be. Each chunk's mean
+    loss is weighted ``1 / accumulation_steps`` and gradients are summed, so one reduction,
+    clip and step give the whole batch's result. Under ``fixed_global``, ``batch_size`` must be
+    divisible by ``pipeline.num_workers x accumulation_steps``."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimizerConfig:
@@ -407,22 +415,42 @@ class RunConfig(_Section):
                     f"freeze.max_frozen={self.freeze.max_frozen} exceeds model.depth="
                     f"{self.model.depth}; choose at most {self.model.depth}"
                 )
+        b, a = self.data.batch_size, self.optimizer.accumulation_steps
+        if self.batch_policy == "per_replica" and b % a:
+            raise ValueError(
+                f"data.batch_size={b} is not divisible by optimizer.accumulation_steps={a}; "
+                f"a step runs {a} equal chunks, so choose a batch_size that is a multiple of {a} "
+                f"or accumulation_steps among {_divisors(b)}"
+            )
         if self.batch_policy == "fixed_global":
             k = self.pipeline.pipeline_length
             n = self.pipeline.num_workers
-            if self.data.batch_size % n:
+            if b % n:
                 # Any plan may reach R = N replicas (K = 1), each taking B / R samples.
                 raise ValueError(
-                    f"data.batch_size={self.data.batch_size} is not divisible by "
+                    f"data.batch_size={b} is not divisible by "
                     f"pipeline.num_workers={n}; with batch_policy=fixed_global every replica "
                     f"takes an equal share, so choose a multiple of {n}"
                 )
-            if isinstance(k, int) and k > 1 and isinstance(self.pipeline.num_microbatches, int):
-                share = self.data.batch_size // (n // k)
-                if share % self.pipeline.num_microbatches:
+            if b % (n * a):
+                # Every chunk too: each of up to N replicas takes B / (A R) of it.
+                raise ValueError(
+                    f"data.batch_size={b} is not divisible by pipeline.num_workers={n} x "
+                    f"optimizer.accumulation_steps={a} = {n * a}; with batch_policy=fixed_global "
+                    f"each of a step's {a} chunks is shared equally by up to {n} replicas, so "
+                    f"choose a batch_size that is a multiple of {n * a} or accumulation_steps "
+                    f"among {_divisors(b // n)}"
+                )
+            m = self.pipeline.num_microbatches
+            if isinstance(k, int) and k > 1 and isinstance(m, int):
+                share = b // (n // k) // a
+                if share % m:
+                    chunk = "" if a == 1 else (
+                        f" of one chunk (data.batch_size={b} / {n // k} replicas / "
+                        f"optimizer.accumulation_steps={a})")
                     raise ValueError(
-                        f"pipeline.num_microbatches={self.pipeline.num_microbatches} does not "
-                        f"divide the per-replica batch {share}; choose a divisor of {share}"
+                        f"pipeline.num_microbatches={m} does not divide the per-replica batch"
+                        f"{chunk} {share}; choose a divisor of {share}"
                     )
         if self.data.name in ("cifar10", "cifar100", "imagefolder", "glue_tsv", "squad_json"):
             if self.data.path is None:

@@ -412,7 +412,8 @@ def build_control_state(
                            initial_pipeline_length=k0, num_microbatches=forced_m,
                            memory_budget=budget,
                            cache_from=_paper_cache_from(cfg, cache.mode, costs, hw),
-                           elastic=p.elastic)
+                           elastic=p.elastic,
+                           accumulation_steps=cfg.optimizer.accumulation_steps)
         # pipeline_length=auto: the start K the cost model predicts fastest among those whose
         # stages fit a device (a model that fits one device need not start as a pipeline).
         choose_start = p.pipeline_length == "auto" and p.elastic
@@ -422,6 +423,7 @@ def build_control_state(
             initial_pipeline_length=None if choose_start else k0,
             num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
             cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
+            accumulation_steps=cfg.optimizer.accumulation_steps,
         )
         if budget is None:
             # By default (as the paper) a stage may hold what the largest stage held at the start.

@@ -18,6 +18,8 @@ optimizer:
 4. ring all-reduce over R replicas: ``2 (R-1)/R * bytes / bandwidth + 2 (R-1) * latency``, with
    the inter-node bandwidth shared by the groups that cross nodes at once;
 5. the optimizer streams the active parameters' state through device memory.
+
+With gradient accumulation, steps 1-3 repeat once per pass before 4 and 5.
 """
 
 from __future__ import annotations
@@ -160,11 +162,12 @@ class StepBreakdown:
 
     Attributes:
         step_s: the whole step, from the first input to the last optimizer update.
-        pipeline_s: the schedule's makespan on the slowest replica (serial prefix included).
+        pipeline_s: the schedule's makespan on the slowest replica (serial prefix included),
+            over every gradient-accumulation pass of the step.
         prefix_s: stage 0's frozen-prefix work per step (forward, or cache read/advance/write).
         allreduce_s: the longest stage all-reduce.
         optimizer_s: the longest stage optimizer step.
-        bubble_fraction: idle share of the stages during the schedule.
+        bubble_fraction: idle share of the stages during one pass's schedule.
         samples: samples per step over all replicas.
     """
 
@@ -224,6 +227,7 @@ def step_time(
     cache_state: Literal["hit", "miss"] = "hit",
     cached_level: int | None = None,
     optimizer_traffic: float = 5.0,
+    passes: int = 1,
 ) -> StepBreakdown:
     """Predict one step of ``plan``.
 
@@ -238,7 +242,12 @@ def step_time(
         cached_level: the level the cache holds (default: ``plan.num_frozen``, steady state).
         optimizer_traffic: bytes the optimizer streams per active parameter byte (SGD with
             momentum: 5; AdamW: 7).
+        passes: gradient-accumulation passes per step (``optimizer.accumulation_steps``),
+            each a whole schedule over ``batch_per_replica`` samples, fill and drain included,
+            run one after another; the all-reduce and the optimizer step follow the last.
     """
+    if passes < 1:
+        raise ValueError(f"passes={passes} must be at least 1")
     k, r, n, m = plan.pipeline_length, plan.num_replicas, plan.num_frozen, plan.num_microbatches
     scale = batch_per_replica / m / costs.samples
     o = runtime.overhead(hw)
@@ -289,15 +298,16 @@ def step_time(
             bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
         ar.append(allreduce_time(grads[s], r, bw, lat))
         opt.append(grads[s] * optimizer_traffic / hw.memory_bandwidth)
-    step = max(sched.stage_end_s[s] + ar[s] + opt[s] for s in range(k))
+    earlier = (passes - 1) * sched.makespan_s  # the passes before the last
+    step = earlier + max(sched.stage_end_s[s] + ar[s] + opt[s] for s in range(k))
     return StepBreakdown(
         step_s=step,
-        pipeline_s=sched.makespan_s,
-        prefix_s=prefix,
+        pipeline_s=earlier + sched.makespan_s,
+        prefix_s=prefix * passes,
         allreduce_s=max(ar),
         optimizer_s=max(opt),
         bubble_fraction=sched.bubble_fraction,
-        samples=batch_per_replica * r,
+        samples=batch_per_replica * r * passes,
     )
 
 

@@ -13,6 +13,9 @@ Pure module. Same interface as :class:`pt_ray.plan.Planner` (which keeps the pap
    with :func:`pt_ray.costmodel.step_time` (cache in steady state: reads hit at level n) and
    keeps the layouts whose every stage fits the memory budget;
 4. returns the layout with the highest predicted throughput ``R * batch / step``.
+
+With gradient accumulation (A passes per step) the replica batch above is one pass's, and a step
+is predicted as A passes of the schedule, then one all-reduce and one optimizer step.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Literal
 
 from pt_ray.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, step_time
 from pt_ray.partition import Partition, partition
-from pt_ray.plan import CostTable, Plan, pinned_length, divisors
+from pt_ray.plan import CostTable, Plan, divisors, pinned_length, too_few_microbatches
 
 __all__ = ["CostModelPlanner", "cache_break_even"]
 
@@ -54,8 +57,13 @@ class CostModelPlanner:
             (:func:`pt_ray.shapes.saved_activation_factor`; about 25 for ViT-B/16).
         max_microbatches_per_stage: the M search stops at this many micro-batches per stage.
         optimizer_traffic: see :func:`pt_ray.costmodel.step_time`.
-        accumulate: whether the runtime accumulates gradients over M micro-batches at K = 1
-            (the engine does not yet: it runs the replica batch at once, M = 1).
+        accumulate: whether the runtime accumulates gradients over M micro-batches at K = 1,
+            M chosen by the planner (the engine does not: at K = 1 it runs each pass's replica
+            batch at once, M = 1). Not ``accumulation_steps``, which the user fixes.
+        accumulation_steps: A, passes per optimizer step (``optimizer.accumulation_steps``):
+            a pass takes 1 / A of the replica's batch, so M and the memory are sized for one
+            pass, and a step is predicted as A passes, then one all-reduce and one optimizer
+            step.
         elastic: False pins K (and R) at the initial plan's as blocks freeze; M and the cache
             are still chosen by prediction (see :class:`pt_ray.plan.Planner`).
     """
@@ -81,7 +89,10 @@ class CostModelPlanner:
         optimizer_traffic: float = 5.0,
         accumulate: bool = False,
         elastic: bool = True,
+        accumulation_steps: int = 1,
     ) -> None:
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps} must be at least 1")
         fits_layers = [d for d in divisors(num_workers) if d <= max(1, costs.num_layers)]
         if initial_pipeline_length is not None and initial_pipeline_length not in fits_layers:
             raise ValueError(
@@ -106,6 +117,7 @@ class CostModelPlanner:
         self.optimizer_traffic = optimizer_traffic
         self.accumulate = accumulate
         self.elastic = elastic
+        self.accumulation_steps = accumulation_steps
         self._predictions: dict[Plan, StepBreakdown] = {}
         self.memory_budget = memory_budget if memory_budget is not None else 0.9 * hw.device_memory_bytes
         if initial_pipeline_length is None:
@@ -126,10 +138,10 @@ class CostModelPlanner:
     # -- predictions ---------------------------------------------------------------------------
 
     def replica_batch(self, num_replicas: int) -> int:
-        """Samples one replica processes per step."""
-        if self.batch_policy == "fixed_global":
-            return max(1, self.batch_size // num_replicas)
-        return self.batch_size
+        """Samples one replica processes per pass (per step without gradient accumulation)."""
+        step = self.batch_size // num_replicas if self.batch_policy == "fixed_global" else (
+            self.batch_size)
+        return max(1, step // self.accumulation_steps)
 
     def _partition(self, num_frozen: int, k: int, cache: bool) -> Partition:
         c = self.costs
@@ -175,7 +187,8 @@ class CostModelPlanner:
         if key not in self._predictions:
             self._predictions[key] = step_time(
                 plan, self.costs, self.hw, self.replica_batch(plan.num_replicas),
-                runtime=self.runtime, optimizer_traffic=self.optimizer_traffic)
+                runtime=self.runtime, optimizer_traffic=self.optimizer_traffic,
+                passes=self.accumulation_steps)
         return self._predictions[key]
 
     def _microbatch_candidates(self, k: int, num_replicas: int) -> list[int]:
@@ -245,11 +258,8 @@ class CostModelPlanner:
         return best
 
     def _no_microbatches(self, k: int) -> ValueError:
-        b = self.replica_batch(self.num_workers // k)
-        return ValueError(
-            f"a replica batch of {b} cannot fill {k} pipeline stages under {self.schedule} (1f1b "
-            f"needs at least {k} micro-batches); raise data.batch_size, lower "
-            "pipeline.pipeline_length, or use pipeline.schedule=gpipe")
+        return too_few_microbatches(self.replica_batch(self.num_workers // k), k,
+                                    self.accumulation_steps)
 
     # -- the Planner interface -----------------------------------------------------------------
 
@@ -293,6 +303,7 @@ class CostModelPlanner:
             activation_memory_factor=self.activation_memory_factor,
             max_microbatches_per_stage=self.max_microbatches_per_stage,
             optimizer_traffic=self.optimizer_traffic, accumulate=self.accumulate,
+            accumulation_steps=self.accumulation_steps,
         )
         # A new N re-plans K from scratch even when not elastic: the old K may not divide it.
         return replace(planner._choose(prev.num_frozen, num_workers),

@@ -31,6 +31,7 @@ __all__ = [
     "holders",
     "is_trainable",
     "stage_of",
+    "too_few_microbatches",
     "transfers",
 ]
 
@@ -181,6 +182,25 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def too_few_microbatches(batch: int, k: int, accumulation_steps: int = 1) -> ValueError:
+    """The error for a replica batch that cannot give 1F1B's K micro-batches (both planners).
+
+    Args:
+        batch: samples one replica runs per pass.
+        k: the pipeline length K.
+        accumulation_steps: A; above 1 the message names the batch per pass and offers fewer
+            passes as a fix.
+    """
+    per_pass, fewer = "", ""
+    if accumulation_steps > 1:
+        per_pass = f" per pass (optimizer.accumulation_steps={accumulation_steps})"
+        fewer = ", lower optimizer.accumulation_steps"
+    return ValueError(
+        f"a replica batch of {batch}{per_pass} cannot fill {k} pipeline stages under 1f1b (it "
+        f"needs at least {k} micro-batches); raise data.batch_size{fewer}, lower "
+        "pipeline.pipeline_length, or use pipeline.schedule=gpipe")
+
+
 def pinned_length(k: int, active: int, num_frozen: int) -> int:
     """K for a planner that is not elastic: ``k`` itself, which needs ``k`` active blocks."""
     if active < k:
@@ -215,6 +235,8 @@ class Planner:
             freeze: the frozen prefix still moves onto stage 0 and the active blocks are
             re-partitioned over the same K stages (the paper's "freeze only" ablation). At most
             L - K blocks may then freeze, so that every stage keeps a trainable block.
+        accumulation_steps: A, passes per optimizer step (``optimizer.accumulation_steps``):
+            a pass takes 1 / A of the replica's batch, and M and the memory are sized for it.
     """
 
     def __init__(
@@ -232,7 +254,10 @@ class Planner:
         optimizer_state_factor: float = 4.0,
         cache_from: int | None = None,
         elastic: bool = True,
+        accumulation_steps: int = 1,
     ) -> None:
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps} must be at least 1")
         if cache_from is not None and cache_from < 1:
             raise ValueError(f"cache_from={cache_from} must be at least 1 (a frozen block) or None")
         k0 = num_workers if initial_pipeline_length is None else initial_pipeline_length
@@ -258,6 +283,7 @@ class Planner:
         self.optimizer_state_factor = optimizer_state_factor
         self.cache_from = cache_from
         self.elastic = elastic
+        self.accumulation_steps = accumulation_steps
         self.memory_budget = (
             memory_budget
             if memory_budget is not None
@@ -267,10 +293,10 @@ class Planner:
     # -- costs ---------------------------------------------------------------------------------
 
     def replica_batch(self, num_replicas: int) -> int:
-        """Samples one replica processes per step."""
-        if self.batch_policy == "fixed_global":
-            return self.batch_size // num_replicas
-        return self.batch_size
+        """Samples one replica processes per pass (per step without gradient accumulation)."""
+        step = self.batch_size // num_replicas if self.batch_policy == "fixed_global" else (
+            self.batch_size)
+        return step // self.accumulation_steps
 
     def _time(self, c: LayerCost, frozen: bool) -> float:
         return c.forward_s * self.frozen_weight if frozen else c.forward_s + c.backward_s
@@ -327,10 +353,7 @@ class Planner:
         if self.schedule == "1f1b" and m < k:
             enough = [d for d in divisors(b) if d >= k]
             if not enough:
-                raise ValueError(
-                    f"a replica batch of {b} cannot fill {k} pipeline stages under 1f1b (it "
-                    f"needs at least {k} micro-batches); raise data.batch_size, lower "
-                    "pipeline.pipeline_length, or use pipeline.schedule=gpipe")
+                raise too_few_microbatches(b, k, self.accumulation_steps)
             m = enough[0]
         return m
 
@@ -400,6 +423,7 @@ class Planner:
             frozen_weight=self.frozen_weight,
             optimizer_state_factor=self.optimizer_state_factor,
             cache_from=self.cache_from,
+            accumulation_steps=self.accumulation_steps,
         )
         k = planner.pipeline_length_for(prev.num_frozen, planner.initial_pipeline_length)
         return planner._make(prev.generation + 1, prev.num_frozen, k,

@@ -52,6 +52,42 @@ def test_bad_values_name_field_value_and_fix(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # fixed_global: 2 workers x 3 chunks = 6 does not divide 64.
+        (["optimizer.accumulation_steps=3"],
+         r"data\.batch_size=64 is not divisible by pipeline\.num_workers=2 x "
+         r"optimizer\.accumulation_steps=3 = 6; .* choose a batch_size that is a multiple of 6 "
+         r"or accumulation_steps among \[1, 2, 4, 8, 16, 32\]"),
+        (["batch_policy=per_replica", "optimizer.accumulation_steps=3"],
+         r"data\.batch_size=64 is not divisible by optimizer\.accumulation_steps=3; .* "
+         r"multiple of 3 or accumulation_steps among \[1, 2, 4, 8, 16, 32, 64\]"),
+        # K = 2 of N = 2: one replica; a chunk of 64 / 4 = 16 does not split into 3.
+        (["pipeline.pipeline_length=2", "pipeline.num_microbatches=3",
+          "pipeline.schedule=gpipe", "optimizer.accumulation_steps=4"],
+         r"pipeline\.num_microbatches=3 does not divide the per-replica batch of one chunk "
+         r"\(data\.batch_size=64 / 1 replicas / optimizer\.accumulation_steps=4\) 16; "
+         r"choose a divisor of 16"),
+        (["optimizer.accumulation_steps=0"],
+         r"optimizer\.accumulation_steps=0: Input should be greater than or equal to 1"),
+    ],
+)
+def test_accumulation_steps_must_split_the_batch(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.timeout(30)
+def test_accumulation_steps_that_split_the_batch_validate():
+    assert RunConfig().optimizer.accumulation_steps == 1
+    assert load_config(None, ["optimizer.accumulation_steps=32"]).optimizer.accumulation_steps == 32
+    cfg = load_config(None, ["pipeline.pipeline_length=2", "pipeline.num_microbatches=4",
+                             "optimizer.accumulation_steps=4"])
+    assert cfg.optimizer.accumulation_steps == 4
+
+
 def test_width_heads_rule():
     with pytest.raises(ConfigError, match="model.width=64 is not divisible by model.num_heads=5"):
         build_config({"model": {"width": 64, "num_heads": 5}})

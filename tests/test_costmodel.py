@@ -5,6 +5,8 @@ from dataclasses import replace
 
 import pytest
 
+from pt_ray.config import build_config
+from pt_ray.control import build_control_state
 from pt_ray.costmodel import (
     PT_2021,
     PT_RAY,
@@ -311,6 +313,45 @@ def test_microbatches_are_searched_divisors_or_forced():
     assert 128 % m == 0 and 1 < m <= 128
     forced, _ = vit_planner(num_microbatches=16)
     assert forced.initial_plan().num_microbatches == 16
+
+
+@pytest.mark.timeout(30)
+def test_accumulation_passes_repeat_the_schedule_then_reduce_once():
+    # Two replicas whose all-reduce costs a latency: three passes of 4 samples are three
+    # schedules back to back, then the one all-reduce and optimizer step of a single pass.
+    hw = replace(IDEAL, intra_node_latency=0.5)
+    plan = even_plan(2, r=2, m=4)
+    one = step_time(plan, uniform(), hw, 4)
+    three = step_time(plan, uniform(), hw, 4, passes=3)
+    assert one.allreduce_s > 0 and three.allreduce_s == one.allreduce_s
+    assert three.step_s == pytest.approx(2 * one.pipeline_s + one.step_s)
+    assert three.pipeline_s == pytest.approx(3 * one.pipeline_s)
+    assert three.samples == 3 * one.samples == 24
+    # The planner predicts a step of B = 64 over 2 replicas in 2 passes of 16 samples each.
+    planner = CostModelPlanner(4, uniform(), hw, batch_size=64, schedule="gpipe",
+                               initial_pipeline_length=2, accumulation_steps=2,
+                               memory_budget=1e12)
+    first = planner.initial_plan()
+    assert 16 % first.num_microbatches == 0
+    assert planner.predict(first) == step_time(first, uniform(), hw, 16, passes=2)
+    assert planner.predict(first).samples == 64
+    with pytest.raises(ValueError, match="passes=0 must be at least 1"):
+        step_time(plan, uniform(), hw, 4, passes=0)
+
+
+@pytest.mark.timeout(30)
+def test_control_state_sizes_plans_for_one_pass():
+    # K = 2 of N = 2 (R = 1); B = 32 in 4 passes: either planner sizes a pass of 8 samples.
+    for policy in ("paper", "cost"):
+        cfg = build_config({
+            "pipeline": {"num_workers": 2, "pipeline_length": 2, "policy": policy},
+            "data": {"batch_size": 32}, "optimizer": {"accumulation_steps": 4}})
+        state = build_control_state(cfg, 4, 2, 10)
+        state.submit_costs(0, uniform(4))
+        state.submit_costs(1, uniform(4))
+        assert state.planner.accumulation_steps == 4
+        assert state.planner.replica_batch(1) == 8
+        assert 8 % state.plan_for(0).num_microbatches == 0
 
 
 def test_replan_and_bad_initial_length():

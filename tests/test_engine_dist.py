@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dist_utils import run_ranks
 from pt_ray.config import build_config
@@ -54,6 +55,24 @@ def train_rank(rank, world, cfg):
     states = worker.layer_state_dicts()
     worker.close()
     return states, timeline
+
+
+def train_rank_counting_passes(rank, world, cfg):
+    """``train_rank``, also returning the rows of every training forward of the head (a pass's
+    replica share at K = 1, a micro-batch in a pipeline; empty off the last stage)."""
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)
+    rows: list[int] = []
+    adapter.head.register_forward_hook(
+        lambda module, args, out: rows.append(out.shape[0]) if torch.is_grad_enabled() else None)
+    control = build_control_state(cfg, adapter.num_layers, world,
+                                  len(splits.train) // cfg.data.batch_size)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control), costs=costs_for(adapter.num_layers))
+    timeline = worker.fit()
+    states = worker.layer_state_dicts()
+    worker.close()
+    return states, timeline, rows
 
 
 def reference_layers(cfg):
@@ -120,6 +139,37 @@ def test_step_interval_transitions_mid_epoch_match_reference():
                                          "interval_steps": 4})
     results = run_ranks(train_rank, 2, cfg)
     assert_same_parameters(results, cfg)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("length", [1, 2], ids=["ddp", "pipeline"])
+def test_two_accumulation_passes_match_the_reference_without_accumulation(length):
+    # K = 1: two DDP replicas, the first pass under no_sync. K = 2: one pipeline, the schedule
+    # stepped once per pass (8 samples, M = 8) through the first freeze, then K 2 -> 1 and
+    # R 1 -> 2 at the second; either way one reduction per optimizer step.
+    pipeline = {"num_workers": 2, "schedule": "1f1b", "policy": "paper",
+                "pipeline_length": length}
+    cfg = config(VIT, "1f1b", 2, pipeline=pipeline,
+                 optimizer={"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2,
+                            "accumulation_steps": 2})
+    results = run_ranks(train_rank_counting_passes, 2, cfg)
+    timeline = results[0][1]
+    expected = {1: [(0, 1, 2, 1), (2, 1, 2, 1), (3, 1, 2, 1)],
+                2: [(0, 2, 1, 8), (2, 2, 1, 8), (3, 1, 2, 1)]}[length]
+    assert [(r.num_frozen, r.pipeline_length, r.num_replicas, r.num_microbatches)
+            for r in timeline] == expected
+    # 6 steps an epoch of 2 passes of 8 samples: 4 rows per replica at K = 1; at K = 2 rank 1
+    # (the last stage) runs 8 micro-batches of 1 row per pass.
+    ddp_epoch = [4] * 12
+    if length == 1:
+        assert results[0][2] == results[1][2] == ddp_epoch * 3
+    else:
+        assert results[0][2] == ddp_epoch and results[1][2] == [1] * 192 + ddp_epoch
+    whole = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(
+        update={"accumulation_steps": 1})})
+    ref_timeline = assert_same_parameters([r[:2] for r in results], whole)
+    for mine, ref in zip(timeline, ref_timeline):
+        assert mine.train_loss == pytest.approx(ref.train_loss, abs=1e-4)
 
 
 def train_then_checkpoint(rank, world, cfg, directory, epochs):

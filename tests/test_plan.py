@@ -97,6 +97,27 @@ def test_microbatches_divide_replica_batch():
     assert forced.microbatches_for(2, 2) == 3
 
 
+@pytest.mark.timeout(30)
+def test_accumulation_sizes_microbatches_and_memory_for_one_pass():
+    # B = 48 in 2 passes on 4 workers: at K = 2 (R = 2) a pass gives each replica 12 samples,
+    # so M is the largest divisor of 12 up to 4K = 8 (6), not of the step's 24 (8); memory is
+    # a planner's without accumulation at B = 24.
+    costs = CostTable.from_param_counts(1.0, [1.0] * 4, 1.0)
+    two = Planner(4, costs, batch_size=48, accumulation_steps=2)
+    whole, half = Planner(4, costs, batch_size=48), Planner(4, costs, batch_size=24)
+    assert two.replica_batch(2) == 12 and whole.replica_batch(2) == 24
+    assert two.microbatches_for(2, 2) == 6 and whole.microbatches_for(2, 2) == 8
+    part = two._partition(1, 2)
+    assert two.stage_memory(part, 1, 2) == half.stage_memory(part, 1, 2)
+    assert two.replan(two.initial_plan(), 2).num_microbatches == half.replan(
+        half.initial_plan(), 2).num_microbatches
+    # Passes too small to fill a 1F1B pipeline: the fix names the accumulation too.
+    with pytest.raises(ValueError, match=r"a replica batch of 2 per pass \(optimizer\."
+                       r"accumulation_steps=4\) cannot fill 4 pipeline stages .* lower "
+                       r"optimizer\.accumulation_steps"):
+        Planner(4, costs, batch_size=8, accumulation_steps=4).initial_plan()
+
+
 def test_bad_initial_pipeline_length():
     with pytest.raises(ValueError, match="does not divide num_workers=8"):
         Planner(8, VIT_B16_C100, batch_size=8, initial_pipeline_length=3)

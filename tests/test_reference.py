@@ -320,6 +320,40 @@ def test_no_freeze_epoch_equals_a_plain_pytorch_loop():
     assert moved > 1e-3  # the parameters did train, so agreement is not trivial
 
 
+# -- gradient accumulation --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_accumulation_in_four_chunks_equals_the_whole_batch_across_a_freeze():
+    # Clip 2.0 cuts some steps' gradients and not others (their norms span about 1.6-4), so a
+    # wrongly weighted chunk would change the parameters even under AdamW, which is otherwise
+    # blind to a constant gradient scale; the block norms and losses are compared too.
+    runs = {}
+    for steps in (1, 4):
+        cfg = vit_config(epochs=2, model=dict(dropout=0.0),
+                         optimizer=dict(grad_clip=2.0, accumulation_steps=steps))
+        trainer = ReferenceTrainer(cfg)
+        sizes: list[int] = []
+        trainer.adapter.head.register_forward_hook(
+            lambda module, args, out: sizes.append(out.shape[0]) if module.training else None)
+        timeline = trainer.fit()
+        runs[steps] = (trainer, timeline, sizes)
+    (one, one_timeline, one_sizes), (four, four_timeline, four_sizes) = runs[1], runs[4]
+    # Each step ran as 4 passes of 8 samples (2 epochs x 8 steps), the other as 1 pass of 32.
+    assert one_sizes == [BATCH] * 16 and four_sizes == [BATCH // 4] * 64
+    assert [r.num_frozen for r in four_timeline] == [r.num_frozen for r in one_timeline] == [0, 2]
+    for a, b in zip(four_timeline, one_timeline):
+        assert a.train_loss == pytest.approx(b.train_loss, abs=1e-6)
+    assert four.norms.mean() == pytest.approx(one.norms.mean(), rel=1e-5)
+    theirs = dict(one.adapter.model.named_parameters())
+    for name, p in four.adapter.model.named_parameters():
+        assert torch.allclose(p, theirs[name], rtol=0, atol=1e-5), name
+    # The parameters did train, so agreement is not trivial.
+    initial = ReferenceTrainer(vit_config(epochs=2)).adapter.model.state_dict()
+    assert any(not torch.allclose(p, initial[n], atol=1e-3)
+               for n, p in four.adapter.model.named_parameters())
+
+
 # -- step-interval decisions ------------------------------------------------------------------
 
 

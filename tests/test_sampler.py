@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pt_ray.data.sampler import GlobalSampler, eval_shards, split_for_replica
+from pt_ray.data.sampler import (
+    GlobalSampler,
+    accumulation_chunks,
+    eval_shards,
+    split_for_replica,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +77,18 @@ def test_bad_arguments_are_rejected_with_the_fix() -> None:
         GlobalSampler(10, 2, seed=-1)
     with pytest.raises(ValueError, match=r"step=5 is out of range; an epoch has 5 steps"):
         GlobalSampler(10, 2, seed=0).step_indices(0, 5)
+
+
+@pytest.mark.timeout(30)
+def test_accumulation_chunks_cut_a_step_in_order() -> None:
+    assert accumulation_chunks(32, 4) == [slice(0, 8), slice(8, 16), slice(16, 24),
+                                          slice(24, 32)]
+    assert accumulation_chunks(32, 1) == [slice(0, 32)]
+    # As np.array_split: the first size % A chunks hold one more; none is empty.
+    assert accumulation_chunks(10, 4) == [slice(0, 3), slice(3, 6), slice(6, 8), slice(8, 10)]
+    assert accumulation_chunks(2, 4) == [slice(0, 1), slice(1, 2)]
+    with pytest.raises(ValueError, match="accumulation_steps=0 must be a positive integer"):
+        accumulation_chunks(8, 0)
 
 
 def test_split_for_replica_uneven() -> None:

@@ -10,7 +10,12 @@ from pt_ray.data.base import (
     set_epoch,
 )
 from pt_ray.data.registry import DATASETS, build_dataset, cap_train
-from pt_ray.data.sampler import GlobalSampler, eval_shards, split_for_replica
+from pt_ray.data.sampler import (
+    GlobalSampler,
+    accumulation_chunks,
+    eval_shards,
+    split_for_replica,
+)
 from pt_ray.data.synthetic import synthetic_image, synthetic_text
 from pt_ray.data.text import load_glue_tsv, load_squad_json, load_tokenizer
 from pt_ray.data.transforms import ImageTransform, random_crop_flip
@@ -33,6 +38,7 @@ __all__ = [
     "SampleDataset",
     "SubsetDataset",
     "TensorSampleDataset",
+    "accumulation_chunks",
     "build_dataset",
     "cap_train",
     "eval_shards",

@@ -19,7 +19,13 @@ import math
 
 import numpy as np
 
-__all__ = ["CacheBlocks", "GlobalSampler", "eval_shards", "split_for_replica"]
+__all__ = [
+    "CacheBlocks",
+    "GlobalSampler",
+    "accumulation_chunks",
+    "eval_shards",
+    "split_for_replica",
+]
 
 # Seeds the block membership apart from the per-epoch streams ``[seed, epoch]``.
 _BLOCK_STREAM = 0xB10C
@@ -49,6 +55,34 @@ def split_for_replica(indices: np.ndarray, replica: int, num_replicas: int) -> n
     """
     _check_replica(replica, num_replicas)
     return np.array_split(np.asarray(indices), num_replicas)[replica]
+
+
+def accumulation_chunks(size: int, accumulation_steps: int) -> list[slice]:
+    """Positions of the consecutive chunks a step of ``size`` samples runs as, one per
+    gradient-accumulation pass (``optimizer.accumulation_steps``).
+
+    The reference trainer and every replica cut a step the same way, so chunk ``c`` covers the
+    same samples under any plan; each replica then takes its share of each chunk
+    (:func:`split_for_replica`).
+
+    Args:
+        size: the step's samples (over all replicas).
+        accumulation_steps: A, passes per optimizer step.
+
+    Returns:
+        A slices in step order (fewer when ``size < A``: no chunk is empty); when ``size`` is not
+        divisible by A the first ``size % A`` hold one extra sample (as ``np.array_split``).
+    """
+    if accumulation_steps <= 0:
+        raise ValueError(f"accumulation_steps={accumulation_steps} must be a positive integer")
+    q, extra = divmod(size, accumulation_steps)
+    out, start = [], 0
+    for c in range(accumulation_steps):
+        stop = start + q + (c < extra)
+        if stop > start:
+            out.append(slice(start, stop))
+        start = stop
+    return out
 
 
 class CacheBlocks:

@@ -8,16 +8,19 @@ stage and its schedule, and goes on at the same step as every other rank.
 One step:
 
 1. the global sampler gives the step's indices; replica ``r`` of ``R`` takes its contiguous
-   slice (``B / R`` samples under ``fixed_global``);
+   slice (``B / R`` samples under ``fixed_global``); with ``optimizer.accumulation_steps`` A
+   the step is cut into A consecutive chunks first, step 2 runs once per chunk on the replica's
+   slice of it (``B / (A R)`` samples), and gradients sum in ``.grad`` across the passes;
 2. stage 0 runs the frozen prefix (``no_grad``, eval mode), or with the activation cache on
    takes it from the cache for the whole replica batch before the schedule
    (:class:`pt_ray.runtime.prefix.CachedPrefix`), then its active blocks; the schedule
    (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
    and the loss; K = 1 runs without a pipeline;
 3. gradients of trained parameters are averaged over the stage's data-parallel group (frozen ones
-   never are): at K = 1 by DDP over that group, during backward; with a pipeline, in buckets
-   after the schedule; per-block gradient norms are recorded; the global norm is clipped across
-   stages (fp16: unscaled, and a step with an inf/nan anywhere is skipped on every rank);
+   never are): at K = 1 by DDP over that group, during the last pass's backward; with a
+   pipeline, in buckets after the last pass; per-block gradient norms are recorded; the global
+   norm is clipped across stages (fp16: unscaled, and a step with an inf/nan anywhere is skipped
+   on every rank);
 4. the optimizer (rebuilt at each plan over the layers trained here, their state carried)
    steps with the learning rate of the run's progress.
 
@@ -35,6 +38,7 @@ on the device until an epoch or a decision interval ends.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -48,7 +52,12 @@ from torch.nn.parallel import DistributedDataParallel
 from pt_ray.config import RunConfig
 from pt_ray.control import cache_policy
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
-from pt_ray.data.sampler import CacheBlocks, eval_shards, split_for_replica
+from pt_ray.data.sampler import (
+    CacheBlocks,
+    accumulation_chunks,
+    eval_shards,
+    split_for_replica,
+)
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.plan import CostTable, Plan, is_trainable
 from pt_ray.runtime.cache import ActivationStore, training_sampler
@@ -145,6 +154,7 @@ class ElasticWorker:
         self.decision_shift = 0
         self.snapshots: dict[int, dict] = {}
         self.norms = GradNormMeter()
+        self._loss_weight = 1.0  # the current pass's share of the step (gradient accumulation)
         adapter.model.to(self.device)
 
     # -- plans ---------------------------------------------------------------------------------
@@ -153,7 +163,9 @@ class ElasticWorker:
         """Profile (or take the fixed costs), submit them, and enter decision 0's plan."""
         costs = self.fixed_costs
         if costs is None:
-            n = max(1, self.cfg.data.batch_size // self.world)
+            # One pass's replica share (what a device holds at once with accumulation).
+            n = max(1, self.cfg.data.batch_size // self.cfg.optimizer.accumulation_steps
+                    // self.world)
             batch = gather(self.splits.train, list(range(min(n, len(self.splits.train)))))
             batch = _to(batch, self.device)
             costs = profile_costs(self.adapter, batch, precision=self.precision)
@@ -205,7 +217,10 @@ class ElasticWorker:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 **_NO_BUFFER_SYNC)
         if plan.pipeline_length > 1:
-            microbatch = self._replicas_batch(plan) // plan.num_replicas // plan.num_microbatches
+            # The schedule runs one accumulation chunk at a time: its micro-batches are that
+            # chunk's replica share / M.
+            microbatch = (self._replicas_batch(plan) // self.cfg.optimizer.accumulation_steps
+                          // plan.num_replicas // plan.num_microbatches)
             self.schedule = build_schedule(self.stage, plan, stage, self.topo.pipeline_group,
                                            self.device, self._scaled_loss, self._probe(),
                                            microbatch)
@@ -224,8 +239,11 @@ class ElasticWorker:
         return self._shapes
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss the backward starts from: times the loss scale under fp16."""
+        """The loss the backward starts from: the mean loss times the pass's share of the step
+        (gradient accumulation) and, under fp16, the loss scale."""
         loss = self.adapter.loss(output, target)
+        if self._loss_weight != 1.0:
+            loss = loss * self._loss_weight
         return loss * self.scaler.scale if self.scaler is not None else loss
 
     def _set_modes(self) -> None:
@@ -244,38 +262,27 @@ class ElasticWorker:
     def train_step(self, indices: np.ndarray) -> torch.Tensor | float:
         """One optimizer step on the global batch ``indices``; returns this rank's share of the
         replica-mean loss (a 0-d tensor on the device on last stages, 0.0 elsewhere), not read
-        back to the host."""
+        back to the host.
+
+        With ``optimizer.accumulation_steps`` A > 1 the step runs as A passes over consecutive
+        chunks of ``indices``, cut as the reference trainer cuts them
+        (:func:`pt_ray.data.sampler.accumulation_chunks`): each pass runs this replica's share
+        of its chunk and leaves its gradients summed into ``.grad``; the data-parallel
+        reduction, norms, clipping and the step then run once.
+        """
         plan, topo, cfg = self.plan, self.topo, self.cfg
         r = plan.num_replicas
-        mine = split_for_replica(indices, topo.replica, r)
         scale = r if cfg.batch_policy == "per_replica" and cfg.optimizer.scale_lr_with_replicas else 1
         progress = self.samples_seen / self.total_samples
         set_lr(self.optimizer, cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
-        first, last = topo.is_first_stage, topo.is_last_stage
-        batch = _to(gather(self.splits.train, mine.tolist()), self.device) if last else None
-        args = ()
-        if first and self.stage.state_inputs:
-            args = self.prefix(plan.num_frozen, mine, self._loader(mine, batch))
-        elif first:
-            if batch is None:
-                batch = _to(gather(self.splits.train, mine.tolist()), self.device)
-            args = batch.inputs
-        scale = self.scaler.scale if self.scaler is not None else 1.0
+        parts = accumulation_chunks(len(indices), cfg.optimizer.accumulation_steps)
         loss: torch.Tensor | float = 0.0
-        if self.schedule is None:
-            out = (self._ddp or self.stage)(*args)
-            value = self._scaled_loss(out, batch.target)
-            value.backward()
-            loss = value.detach() / scale
-        elif first:
-            self.schedule.step(*args)
-        elif last:
-            losses: list[torch.Tensor] = []
-            self.schedule.step(target=batch.target, losses=losses)
-            loss = torch.stack([l.detach() for l in losses]).mean() / scale
-        else:
-            self.schedule.step()
+        for c, part in enumerate(parts):
+            weight = 1.0 if len(parts) == 1 else (part.stop - part.start) / len(indices)
+            loss = loss + self._pass(indices[part], weight, sync=c == len(parts) - 1)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        last = topo.is_last_stage
         params = [p for p in self.stage.parameters() if p.requires_grad]
         if self._ddp is None:  # DDP reduced them during backward
             all_reduce_grads(self.comm, params, topo.dp_group, r)
@@ -300,6 +307,47 @@ class ElasticWorker:
         self.norms.add(norms)
         self.optimizer.step()
         return loss / r if last else 0.0
+
+    def _pass(self, chunk: np.ndarray, weight: float, sync: bool) -> torch.Tensor | float:
+        """Forward and backward of this replica's share of ``chunk`` (the whole step without
+        accumulation), adding to ``.grad``; returns this rank's part of the chunk's replica
+        loss times ``weight`` (as :meth:`train_step`).
+
+        Args:
+            chunk: the chunk's indices over all replicas.
+            weight: the chunk's share of the step, which scales its loss (1 / A).
+            sync: the step's last pass: only then does DDP reduce (earlier passes run under
+                ``no_sync``, so the summed gradients are reduced once).
+        """
+        plan, topo = self.plan, self.topo
+        mine = split_for_replica(chunk, topo.replica, plan.num_replicas)
+        first, last = topo.is_first_stage, topo.is_last_stage
+        batch = _to(gather(self.splits.train, mine.tolist()), self.device) if last else None
+        args = ()
+        if first and self.stage.state_inputs:
+            args = self.prefix(plan.num_frozen, mine, self._loader(mine, batch))
+        elif first:
+            if batch is None:
+                batch = _to(gather(self.splits.train, mine.tolist()), self.device)
+            args = batch.inputs
+        self._loss_weight = weight
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.schedule is None:
+            quiet = self._ddp is not None and not sync
+            with self._ddp.no_sync() if quiet else contextlib.nullcontext():
+                value = self._scaled_loss((self._ddp or self.stage)(*args), batch.target)
+                value.backward()
+            return value.detach() / scale
+        if first:
+            self.schedule.step(*args)
+            return 0.0
+        if last:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(target=batch.target, losses=losses)
+            # Each micro-batch's loss comes divided by M (build_schedule): their sum is the mean.
+            return torch.stack([l.detach() for l in losses]).sum() / scale
+        self.schedule.step()
+        return 0.0
 
     def _loader(self, mine: np.ndarray, batch):
         """``load(rows)``: model inputs of rows of the replica batch ``mine`` (from ``batch``

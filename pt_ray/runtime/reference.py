@@ -31,6 +31,7 @@ from pt_ray.config import RunConfig
 from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
+from pt_ray.data.sampler import accumulation_chunks
 from pt_ray.control import policy_for, start_pipeline_length
 from pt_ray.freeze import FreezeGuard, FreezePolicy
 from pt_ray.models.base import (
@@ -292,13 +293,32 @@ class ReferenceTrainer:
     # -- training ------------------------------------------------------------------------------
 
     def train_step(self, batch: Batch) -> float:
-        """One optimizer step on a global batch; returns the loss."""
-        a = self.adapter
-        n = self.num_frozen
+        """One optimizer step on a global batch; returns its mean loss.
+
+        With ``optimizer.accumulation_steps`` A > 1 the batch runs as A consecutive chunks
+        (:func:`pt_ray.data.sampler.accumulation_chunks`), one forward and backward each. Each
+        chunk's mean loss is weighted by its share of the batch (1 / A), so the summed gradient is
+        the whole batch's mean-loss gradient; norms, clipping and the step then run once.
+        """
         set_lr(self.optimizer, self.cfg.optimizer.lr * lr_factor(
             self.global_step * self.cfg.data.batch_size / self.total_samples, self.cfg.optimizer
         ))
-        prec = self.precision
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = accumulation_chunks(len(batch), self.cfg.optimizer.accumulation_steps)
+        loss: torch.Tensor | float = 0.0
+        for part in parts:
+            chunk = batch if len(parts) == 1 else Batch(
+                batch.indices[part], tuple(t[part] for t in batch.inputs), batch.target[part])
+            value = self._loss(chunk)
+            if len(parts) > 1:
+                value = value * (len(chunk) / len(batch))
+            (value * self.scaler.scale if self.scaler is not None else value).backward()
+            loss = loss + value.detach()
+        return self._step(float(loss))
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """The mean loss of ``batch`` (the frozen prefix without gradients)."""
+        a, n, prec = self.adapter, self.num_frozen, self.precision
         with prec.autocast():
             if n > 0:
                 with torch.no_grad():
@@ -312,12 +332,15 @@ class ReferenceTrainer:
             for block in a.blocks[n:]:
                 state = block(*state)
             out = prec.logits(a.head(*state))
-        loss = a.loss(out, batch.target)
-        self.optimizer.zero_grad(set_to_none=True)
+        return a.loss(out, batch.target)
+
+    def _step(self, loss: float) -> float:
+        """Per-block norms, clipping (unscaling under fp16) and the optimizer step on the
+        gradients the step's backward passes left; returns ``loss``."""
+        a, n = self.adapter, self.num_frozen
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
             scale = self.scaler.scale
-            (loss * scale).backward()
             scaled = block_grad_norms(a, range(n, a.num_layers))
             norm = clip_grad_norm(None, params, self.cfg.optimizer.grad_clip, None,
                                   inv_scale=1.0 / scale)
@@ -325,17 +348,16 @@ class ReferenceTrainer:
             self.scaler.update(found_inf)
             self.global_step += 1
             if found_inf:  # skipped: no step, no norms
-                return float(loss.detach())
+                return loss
             self.norms.add({b: v / scale for b, v in scaled.items()})
             self.optimizer.step()
-            return float(loss.detach())
-        loss.backward()
+            return loss
         self.norms.add(block_grad_norms(a, range(n, a.num_layers)))
         if self.cfg.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip)
         self.optimizer.step()
         self.global_step += 1
-        return float(loss.detach())
+        return loss
 
     def train_epoch(self, epoch: int) -> EpochRecord:
         """Train one epoch (with its decision points) and evaluate."""

@@ -151,11 +151,19 @@ def build_schedule(
 ):
     """A ``torch.distributed.pipelining`` schedule for one stage of a K > 1 pipeline.
 
-    ``scale_grads=True`` divides gradients by M, so with equal micro-batches they equal the mean
-    over the replica's batch, as one un-pipelined step would give. The stage's example inputs
-    and outputs (``microbatch`` rows of ``shapes``) are given up front, so the schedule infers
-    nothing at run time.
+    Each micro-batch's loss is divided by M before its backward, so with equal micro-batches the
+    gradients of one ``step`` equal the mean over the replica's batch, as one un-pipelined step
+    would give, and the M losses the schedule reports (so divided) sum to that mean. Torch's own
+    ``scale_grads=True`` would instead divide every ``.grad`` by M at the end of each ``step``,
+    which would also shrink what earlier ``step`` calls accumulated (gradient accumulation runs
+    one ``step`` per chunk); ``step`` itself never zeroes parameter gradients. The stage's
+    example inputs and outputs (``microbatch`` rows of ``shapes``) are given up front, so the
+    schedule infers nothing at run time.
     """
+    m = plan.num_microbatches
+
+    def per_microbatch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / m
 
     def examples(specs: tuple[Spec, ...], grad: bool) -> tuple[torch.Tensor, ...]:
         # requires_grad marks what carries a gradient back (what the schedule would infer).
@@ -173,4 +181,4 @@ def build_schedule(
         group=group,
     )
     cls = _SCHEDULES[plan.schedule]
-    return cls(pipe_stage, n_microbatches=plan.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(pipe_stage, n_microbatches=m, loss_fn=per_microbatch_loss, scale_grads=False)
