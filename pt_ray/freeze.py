@@ -261,7 +261,8 @@ class ConvergedFreeze(_Base):
                       f"{self.window} decisions)")
         else:
             reason = (f"blocks {num_frozen}..{passed - 1} converged (norm <= {self.ratio:g} of "
-                      f"peak for {self.window} decisions); bound {bound}, cap {self.max_frozen}")
+                      f"peak for {self.window} decisions); frozen {num_frozen} -> {new} "
+                      f"(bound {bound}, cap {self.max_frozen})")
         return FreezeDecision(new, bound, reason)
 
     def state_dict(self) -> dict[str, dict[int, list[float]]]:
