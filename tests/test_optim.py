@@ -171,3 +171,33 @@ def test_remove_layers_returns_groups_and_state_and_leaves_others_identical():
 
     assert remove_layers(opt, ["a", "missing"]) == {}
     assert opt.param_groups == b_groups
+
+
+def test_one_pass_gives_the_global_and_the_per_block_norms():
+    # clip_grad_norm with a BlockIndex: the per-block norms come from the same per-parameter
+    # norms as the global one, and equal what block_grad_norms computes block by block.
+    from pt_ray.models import build_adapter
+    from pt_ray.config import ModelConfig
+    from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
+    from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
+
+    adapter = build_adapter(ModelConfig(family="timm", name="vit_base_patch16_224", depth=4,
+                                        width=32, num_heads=2, mlp_ratio=2.0, patch_size=4),
+                            num_classes=10, image_size=8, in_chans=1, seed=0)
+    torch.manual_seed(0)
+    out = adapter.model(torch.randn(6, 1, 8, 8))
+    out.square().mean().backward()
+    params = [p for p in adapter.model.parameters() if p.requires_grad]
+    expected = block_grad_norms(adapter, range(1, 4))
+    full = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    index = BlockIndex(params, {b: list(adapter.blocks[b].parameters()) for b in range(1, 4)},
+                       1, 3, torch.device("cpu"))
+    total, per_block = clip_grad_norm(None, params, max_norm=None, group=None, blocks=index)
+    assert float(total) == pytest.approx(float(full), rel=1e-6)
+    assert per_block.tolist() == pytest.approx([float(expected[b]) for b in (1, 2, 3)], rel=1e-6)
+    meter = GradNormMeter()
+    meter.add_vector(1, per_block)
+    meter.add_vector(1, per_block * 3)
+    assert meter.mean() == pytest.approx({b: 2 * float(expected[b]) for b in (1, 2, 3)},
+                                         rel=1e-6)
+    assert meter.state_dict()["steps"] == 2

@@ -75,9 +75,9 @@ from pt_ray.runtime.optim import (
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
-from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
+from pt_ray.runtime.reference import GradNormMeter
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
-from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm
+from pt_ray.runtime.sync import BlockIndex, all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology
 from pt_ray.summary import EpochRecord
 
@@ -207,6 +207,14 @@ class ElasticWorker:
             for p, s in zip(self.modules[name].parameters(), states.get(name, ())):
                 if s:
                     self.optimizer.state[p] = s
+        self._block_index = None
+        if self.cfg.freeze.policy != "none":
+            # Per-block norms feed freeze decisions only: a run that never freezes skips them.
+            first, end = plan.boundaries[stage], plan.boundaries[stage + 1]
+            self._block_index = BlockIndex(
+                [p for p in self.stage.parameters() if p.requires_grad],
+                {b: list(self.adapter.blocks[b].parameters()) for b in range(first, end)},
+                first, end - first, self.device)
         self.schedule = None
         if plan.pipeline_length == 1 and self.topo.dp_group is not None and trained:
             # One stage per replica: DDP itself reduces the gradients, in buckets launched from
@@ -286,11 +294,10 @@ class ElasticWorker:
         params = [p for p in self.stage.parameters() if p.requires_grad]
         if self._ddp is None:  # DDP reduced them during backward
             all_reduce_grads(self.comm, params, topo.dp_group, r)
-        blocks = range(plan.boundaries[topo.stage], plan.boundaries[topo.stage + 1])
-        # Per-block norms feed freeze decisions only: a run that never freezes skips them.
-        norms = {} if cfg.freeze.policy == "none" else block_grad_norms(self.adapter, blocks)
-        total = clip_grad_norm(self.comm, params, cfg.optimizer.grad_clip, topo.pipeline_group,
-                               inv_scale=1.0 / scale)
+        # One pass over the gradients gives the global norm and the per-block ones.
+        total, block_norms = clip_grad_norm(self.comm, params, cfg.optimizer.grad_clip,
+                                            topo.pipeline_group, inv_scale=1.0 / scale,
+                                            blocks=self._block_index)
         self.global_step += 1
         self.samples_seen += len(indices)
         if self.scaler is not None:
@@ -303,8 +310,12 @@ class ElasticWorker:
                     logger.info("step %d skipped: inf/nan gradient; loss scale %g -> %g",
                                 self.global_step - 1, scale, self.scaler.scale)
                 return loss / r if last else 0.0
-            norms = {b: v / scale for b, v in norms.items()}
-        self.norms.add(norms)
+            if block_norms is not None:
+                block_norms = block_norms / scale
+        if block_norms is not None:
+            self.norms.add_vector(self._block_index.first, block_norms)
+        else:
+            self.norms.add({})
         self.optimizer.step()
         return loss / r if last else 0.0
 

@@ -83,6 +83,8 @@ class GradNormMeter:
 
     sums: dict[int, torch.Tensor | float] = field(default_factory=dict)
     steps: int = 0
+    # add_vector's running sum: (first block, 1-D tensor), folded into ``sums`` when read.
+    _vector: tuple[int, torch.Tensor] | None = None
 
     def add(self, norms: dict[int, torch.Tensor | float]) -> None:
         for block, value in norms.items():
@@ -91,15 +93,37 @@ class GradNormMeter:
             self.sums[block] = self.sums[block] + value if block in self.sums else value
         self.steps += 1
 
+    def add_vector(self, first: int, norms: torch.Tensor) -> None:
+        """One step's norms of blocks ``first, first + 1, ..`` as one tensor (one addition per
+        step, whatever the block count)."""
+        if self._vector is not None and self._vector[0] == first and (
+                self._vector[1].shape == norms.shape):
+            self._vector = (first, self._vector[1] + norms.detach().double())
+        else:
+            self._fold()
+            self._vector = (first, norms.detach().double())
+        self.steps += 1
+
+    def _fold(self) -> None:
+        if self._vector is not None:
+            first, vec = self._vector
+            self._vector = None
+            for i, value in enumerate(vec.cpu().tolist()):
+                b = first + i
+                self.sums[b] = self.sums[b] + value if b in self.sums else value
+
     def mean(self) -> dict[int, float]:
+        self._fold()
         return {b: float(s) / self.steps for b, s in self.sums.items()} if self.steps else {}
 
     def state_dict(self) -> dict:
         """Plain numbers, for checkpoints."""
+        self._fold()
         return {"sums": {b: float(s) for b, s in self.sums.items()}, "steps": self.steps}
 
     def reset(self) -> None:
         self.sums.clear()
+        self._vector = None
         self.steps = 0
 
 
@@ -342,8 +366,8 @@ class ReferenceTrainer:
         if self.scaler is not None:
             scale = self.scaler.scale
             scaled = block_grad_norms(a, range(n, a.num_layers))
-            norm = clip_grad_norm(None, params, self.cfg.optimizer.grad_clip, None,
-                                  inv_scale=1.0 / scale)
+            norm, _ = clip_grad_norm(None, params, self.cfg.optimizer.grad_clip, None,
+                                     inv_scale=1.0 / scale)
             found_inf = not bool(torch.isfinite(norm))
             self.scaler.update(found_inf)
             self.global_step += 1

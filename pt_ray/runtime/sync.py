@@ -15,7 +15,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pt_ray.runtime.comm import Comm
 
-__all__ = ["all_reduce_grads", "clip_grad_norm", "grad_norm"]
+__all__ = ["BlockIndex", "all_reduce_grads", "clip_grad_norm", "grad_norm"]
 
 # Gradients are reduced in buckets of about this many bytes: one collective per bucket instead of
 # one per parameter.
@@ -68,7 +68,8 @@ def clip_grad_norm(
     max_norm: float | None,
     group,
     inv_scale: float = 1.0,
-) -> torch.Tensor:
+    blocks: BlockIndex | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unscale and clip to a global norm over every stage of the pipeline.
 
     The coefficient is torch's ``clip_grad_norm_``'s, ``max_norm / (norm + 1e-6)`` capped at 1,
@@ -82,16 +83,63 @@ def clip_grad_norm(
         max_norm: the clip threshold (None: no clipping, unscaling only).
         group: the pipeline group (None: one stage).
         inv_scale: 1 / the loss scale (fp16), else 1.
+        blocks: which block each of ``params`` belongs to: the per-block norms then come from
+            the same per-parameter norms as the global one (one pass over the gradients, not
+            two).
 
     Returns:
-        The unscaled global norm before clipping (0-d tensor).
+        The unscaled global norm before clipping (0-d tensor), and with ``blocks`` the
+        per-block L2 norms of the gradients as they were (still scaled under fp16), as a 1-D
+        fp64 tensor over ``blocks.first ..``; else None.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    total = grad_norm(comm, params, group) * inv_scale
+    device = grads[0].device if grads else getattr(comm, "device", torch.device("cpu"))
+    per_block = None
+    if grads:
+        sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2)
+        if blocks is not None:
+            ids = blocks.ids if len(grads) == len(params) else blocks.ids_for(params)
+            per_block = torch.zeros(blocks.count, dtype=torch.float64, device=device)
+            keep = ids >= 0
+            per_block.index_add_(0, ids[keep], sq[keep].double())
+            per_block = per_block.sqrt()
+        sq = sq.sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+    if group is not None:
+        sq = comm.all_reduce(sq, group=group).to(device)
+    total = sq.sqrt() * inv_scale
     if not grads or (max_norm is None and inv_scale == 1.0):
-        return total
+        return total, per_block
     factor = torch.full((), inv_scale, dtype=torch.float32, device=total.device)
     if max_norm is not None:
         factor = factor * torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(grads, factor.to(grads[0].dtype))
-    return total
+    return total, per_block
+
+
+class BlockIndex:
+    """Which block (counted from ``first``) each trained parameter of a stage belongs to; -1 for
+    the embedding and the head.
+
+    Args:
+        params: the stage's trained parameters, in the order the step passes them.
+        block_params: per block index, its parameters (the blocks this stage trains).
+        first: the stage's first block.
+        count: how many blocks from ``first``.
+        device: where the index lives (the gradients' device).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter],
+                 block_params: dict[int, Sequence[torch.nn.Parameter]], first: int, count: int,
+                 device: torch.device) -> None:
+        self.first, self.count, self.device = first, count, device
+        self._of = {id(p): b - first for b, ps in block_params.items() for p in ps}
+        self.ids = self.ids_for(params, all_grads=True)
+
+    def ids_for(self, params: Sequence[torch.nn.Parameter], all_grads: bool = False
+                ) -> torch.Tensor:
+        """The index over those of ``params`` that have a gradient (all, when ``all_grads``)."""
+        return torch.tensor([self._of.get(id(p), -1) for p in params
+                             if all_grads or p.grad is not None],
+                            dtype=torch.long, device=self.device)
