@@ -206,8 +206,12 @@ def fit(
         ConfigError: before anything starts or is written: a bad value, an output folder that
             cannot be created, dataset, weights or tokenizer files that cannot be read, a model
             that cannot be built, or ``pipeline.use_gpu=true`` on an embedded cluster without
-            the GPUs; or, on a cluster already running, ``pipeline.use_gpu=true`` without its
-            GPUs once Ray has connected and before anything else has started.
+            the GPUs; or, on a cluster already running, once Ray has connected and before any
+            actor or worker has started: ``pipeline.use_gpu=true`` without its GPUs, or
+            workers the cluster can never hold, or has no room for within
+            ``pipeline.placement_timeout_s`` (:class:`pt_ray.placement.PlacementError`). The
+            same error ends a run whose workers Ray Train itself gave up placing (each try
+            bounded by ``pipeline.placement_timeout_s``), once ``config.yaml`` is written.
     """
     cfg = resolve_config(config, overrides)
     run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()

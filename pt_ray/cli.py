@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args.config, args.overrides)
         # fit raises ConfigError too, before anything starts: an output folder that cannot be
         # made, dataset or weights files that cannot be read, a model that cannot be built, a
-        # device choice the cluster cannot meet (pipeline.use_gpu=true without the GPUs).
+        # device choice the cluster cannot meet (pipeline.use_gpu=true without the GPUs), workers
+        # a cluster it attached to cannot place (pt_ray.placement.PlacementError).
         result = fit(cfg, output_dir=args.output)
     except ConfigError as err:
         print(f"pt-ray: error: {one_line(err)}", file=sys.stderr)

@@ -214,6 +214,15 @@ class PipelineConfig(_Section):
     """CPUs reserved per worker (and torch threads on CPU workers)."""
     max_failures: int = Field(default=2, ge=-1)
     """Worker-group restarts from the latest checkpoint before the run fails (-1: no limit)."""
+    placement_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds a run on a cluster pt-ray attaches to (``RAY_ADDRESS`` or an initialised Ray)
+    waits for room for its workers: ``num_workers`` (``min_workers`` when set) x
+    ``cpus_per_worker`` CPUs, plus one GPU each on GPUs, each worker within one node. A cluster
+    that can never hold them, with no autoscaler, fails at once; one whose resources other jobs
+    hold is waited on this long, then the run fails, in one line naming the shortfall and the
+    fields to change. With an autoscaler the run waits without limit and says so every 30 s.
+    Each of Ray Train's own waits for its workers' placement group (at the start and after a
+    failure) is bounded by it too. An embedded cluster is sized for the run and never waits."""
     use_gpu: bool | Literal["auto"] = "auto"
     """Train on GPUs (one per worker, NCCL for CUDA tensors, gloo beside it for CPU ones):
     ``true`` fails before any worker starts when the cluster has fewer than

@@ -6,23 +6,33 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, ScalingConfig
+from ray.train import (
+    CheckpointConfig,
+    FailureConfig,
+    LoggingConfig,
+    ScalingConfig,
+    TrainingFailedError,
+)
 from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pt_ray.config import RunConfig
 from pt_ray.control import cache_policy
 from pt_ray.devices import DeviceChoice, choose_devices
+from pt_ray.placement import demand_for
 from pt_ray.service.cache import CacheActor, cache_name, object_store_report
 from pt_ray.service.controller import ControllerActor, controller_name
+from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.worker import train_loop_per_worker
 from pt_ray.summary import EpochRecord
 
@@ -33,6 +43,10 @@ logger = logging.getLogger(__name__)
 # Object store for the embedded cluster: enough for the activation cache of the default job
 # without claiming 30% of the machine's memory as Ray's default would.
 _LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
+
+# Ray Train 2.60's wait for its worker group's placement group, per attempt (default 60 s); a
+# timed-out attempt is a controller failure, retried up to FailureConfig.controller_failure_limit.
+_TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 def _free_port() -> int:
@@ -165,25 +179,51 @@ def run_on_ray(
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs; raised
             before an embedded cluster starts, or right after attaching to one.
+        pt_ray.placement.PlacementError: a cluster pt-ray attached to can never hold the
+            workers (no autoscaler), or had no room for them within
+            ``pipeline.placement_timeout_s``, raised before any actor or worker starts; or Ray
+            Train gave up placing them (each try bounded by the same timeout).
         ray.train.TrainingFailedError: the run failed more often than
             ``pipeline.max_failures`` allows.
     """
-    if choice is None and starts_embedded():
+    embedded = starts_embedded()
+    if choice is None and embedded:
         choice = cluster_devices(cfg)
     started = ensure_ray(cfg)
     try:
         choice = choice or cluster_devices(cfg)
         cfg = choice.apply(cfg)
+        # An embedded cluster is sized for the run and has no autoscaler; a cluster pt-ray
+        # attached to may be too small, or busy with other jobs.
+        autoscaler = False
+        if not embedded:
+            autoscaler = wait_for_room(demand_for(cfg.pipeline, choice.use_gpu),
+                                       cfg.pipeline.placement_timeout_s).autoscaler
         if on_start is not None:
             on_start(cfg)
-        return _run(cfg, choice, run_dir, worker_env or {})
+        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler)
     finally:
         if started:
             ray.shutdown()
 
 
-def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path,
-         worker_env: dict[str, str]) -> RayRun:
+@contextmanager
+def _train_start_timeout(seconds: float) -> Iterator[None]:
+    """Bound each of Ray Train's waits for its workers' placement group by ``seconds`` while
+    a ``TorchTrainer`` starts its controller (which takes the variable from this process's
+    environment), unless the user set the variable."""
+    if _TRAIN_START_TIMEOUT_ENV in os.environ:
+        yield
+        return
+    os.environ[_TRAIN_START_TIMEOUT_ENV] = f"{seconds:g}"
+    try:
+        yield
+    finally:
+        os.environ.pop(_TRAIN_START_TIMEOUT_ENV, None)
+
+
+def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
+         autoscaler: bool = False) -> RayRun:
     p = cfg.pipeline
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     controller = ControllerActor.options(name=controller_name(run_id)).remote(
@@ -216,7 +256,12 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path,
         run_config=TrainRunConfig(
             name=run_id,
             storage_path=str((run_dir / "ray").resolve()),
-            failure_config=FailureConfig(max_failures=p.max_failures),
+            # A worker group Ray Train cannot place within its timeout is a controller failure:
+            # with an autoscaler it retries without limit (Ray's default); on a fixed cluster
+            # it gives up after as many retries as worker failures may have.
+            failure_config=FailureConfig(
+                max_failures=p.max_failures,
+                controller_failure_limit=-1 if autoscaler else p.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             # Ray Train's per-report INFO lines would bury pt-ray's one line per epoch.
             logging_config=LoggingConfig(log_level="WARNING"),
@@ -226,8 +271,19 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path,
     logger.info("run %s: %s workers (%s, %s) on Ray Train", run_id, workers,
                 "GPU" if use_gpu else "CPU", choice.backend)
     cache_report: dict[str, Any] = {}
+    t0 = time.monotonic()
     try:
-        result = trainer.fit()
+        try:
+            with _train_start_timeout(p.placement_timeout_s):
+                result = trainer.fit()
+        except TrainingFailedError as err:
+            # Ray Train's own wait for its workers (a race lost after the check, or a restart
+            # after a node left) ends in the same one line as the check's.
+            failure = placement_failure(err, demand_for(p, use_gpu), p.placement_timeout_s,
+                                        time.monotonic() - t0)
+            if failure is None:
+                raise
+            raise failure from err
         summary = ray.get(controller.summary.remote())
         if cache is not None:
             cache_report = _cache_report(cache)
