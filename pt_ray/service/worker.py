@@ -34,7 +34,7 @@ from pt_ray.service.controller import RayController
 from pt_ray.progress import RunProgress
 from pt_ray.summary import format_epoch
 
-__all__ = ["FAULT_ENV", "train_loop_per_worker"]
+__all__ = ["FAULT_ENV", "quiet_ray_train", "train_loop_per_worker"]
 
 logger = logging.getLogger("pt_ray.worker")
 
@@ -88,6 +88,21 @@ def _hardware(cfg: RunConfig, device: torch.device, rank: int) -> str | Hardware
     return hw
 
 
+def quiet_ray_train() -> None:
+    """Keep Ray Train's INFO lines out of the run's output (pt-ray logs one line per epoch).
+
+    Ray Train 2.60 logs every ``ray.train.report`` ("Reporting training result N:
+    TrainingReport(...)", the whole metrics dict) at INFO through a logger named by its
+    module's file path rather than ``ray.train...``, so it is silenced by that name too.
+    """
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray version: nothing of that name to silence
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
@@ -96,7 +111,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             actor's name or None}``.
     """
     setup_logging()
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    quiet_ray_train()
     cfg = RunConfig.model_validate(config["run"])
     torch.set_num_threads(max(1, int(cfg.pipeline.cpus_per_worker)))
     ctx = ray.train.get_context()
