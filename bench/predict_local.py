@@ -334,9 +334,8 @@ def calibrate_microbench(cfg, adapter, splits, costs, hw, traffic, chunks: int =
 
     from pt_ray.models.base import iter_layers
     from pt_ray.runtime.optim import build_optimizer, layer_param_groups, set_lr
-    from pt_ray.runtime.reference import block_grad_norms
     from pt_ray.runtime.stages import StageModule
-    from pt_ray.runtime.sync import clip_grad_norm
+    from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
 
     size = min(costs)
     table = costs[size]
@@ -347,6 +346,10 @@ def calibrate_microbench(cfg, adapter, splits, costs, hw, traffic, chunks: int =
     opt = build_optimizer(cfg.optimizer, layer_param_groups(list(iter_layers(model)),
                                                             cfg.optimizer.weight_decay))
     params = [p for p in stage.parameters() if p.requires_grad]
+    # The engine's norms: per block from the clipping's own per-parameter norms.
+    blocks = BlockIndex(params, {b: list(model.blocks[b].parameters())
+                                 for b in range(model.num_layers)},
+                        0, model.num_layers, torch.device("cpu"))
     n = len(splits.train)
     chunk_medians = []
     for chunk in range(chunks + 1):  # the first chunk warms up and is discarded
@@ -360,8 +363,7 @@ def calibrate_microbench(cfg, adapter, splits, costs, hw, traffic, chunks: int =
             value = model.loss(stage(*batch.inputs), batch.target)
             value.backward()
             float(value.detach())
-            block_grad_norms(model, range(model.num_layers))
-            clip_grad_norm(None, params, cfg.optimizer.grad_clip, None)
+            clip_grad_norm(None, params, cfg.optimizer.grad_clip, None, blocks=blocks)
             opt.step()
             times.append(time.perf_counter() - t0)
         if chunk:

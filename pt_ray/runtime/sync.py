@@ -15,7 +15,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pt_ray.runtime.comm import Comm
 
-__all__ = ["BlockIndex", "all_reduce_grads", "clip_grad_norm", "grad_norm"]
+__all__ = ["BlockIndex", "all_reduce_grads", "clip_grad_norm"]
 
 # Gradients are reduced in buckets of about this many bytes: one collective per bucket instead of
 # one per parameter.
@@ -46,20 +46,6 @@ def _reduce_bucket(comm: Comm, bucket: list[torch.Tensor], group, world: int) ->
     flat.div_(world)
     for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
         g.copy_(reduced)
-
-
-def grad_norm(comm: Comm | None, params: Sequence[torch.nn.Parameter], group) -> torch.Tensor:
-    """The L2 norm of the gradients of ``params``, summed in squares over ``group`` (every stage
-    of the pipeline holds part of the model): a 0-d fp32 tensor on the gradients' device."""
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else getattr(comm, "device", torch.device("cpu"))
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-    if group is not None:
-        sq = comm.all_reduce(sq, group=group).to(device)
-    return sq.sqrt()
 
 
 def clip_grad_norm(
