@@ -1,7 +1,9 @@
 """Ray Jobs entry point: ``ray job submit --working-dir . -- python jobs/train.py [ARGS]``.
 
 Takes the arguments of ``pt-ray train`` (``--config FILE``, ``--set key=value`` ..., ``--output
-DIR``) and runs it on the cluster the job runs in (the job supervisor sets ``RAY_ADDRESS``).
+DIR``, or ``--resume RUN_DIR`` to continue a stopped run) and runs it on the cluster the job runs
+in (the job supervisor sets ``RAY_ADDRESS``). A relative ``RUN_DIR`` inside a Ray job is found
+under the base folder of 2 or 4 below, as a relative ``--output`` is.
 
 A job's working directory is a temporary copy that Ray deletes, so the run's folder defaults to
 an absolute path outside it, the first of:
@@ -46,12 +48,15 @@ def _make_importable() -> None:
             sys.path.insert(0, str(root))
 
 
-def _known_args(argv: list[str]) -> argparse.Namespace:
-    """The options this script needs before ``pt-ray train`` parses (and checks) them all."""
+def _known_args(argv: list[str], resumes: bool = True) -> argparse.Namespace:
+    """The options this script needs before ``pt-ray train`` parses (and checks) them all;
+    ``resumes``: whether ``--resume RUN_DIR`` is one (a sweep's ``--resume`` takes no value)."""
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--config")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--output")
+    if resumes:
+        parser.add_argument("--resume")
     args, _ = parser.parse_known_args(argv)
     return args
 
@@ -64,8 +69,9 @@ def _base_dir(env: dict[str, str]) -> Path | None:
 def output_dir(
     argv: list[str], env: dict[str, str] | None = None, suffix: str = ""
 ) -> Path | None:
-    """The absolute run folder for ``argv`` (see the module docstring for the order);
-    ``suffix`` is appended to the run name (``jobs/sweep.py`` uses ``-sweep``).
+    """The absolute run folder for ``argv``: ``--resume RUN_DIR``'s, else the first of the
+    module docstring's list; ``suffix`` is appended to the run name (``jobs/sweep.py`` uses
+    ``-sweep``, and its ``--resume`` names no folder).
 
     Returns None when the config does not resolve: ``pt-ray train`` then reports the error.
     """
@@ -74,12 +80,13 @@ def output_dir(
 
     env = dict(os.environ if env is None else env)
     try:
-        args = _known_args(argv)
+        args = _known_args(argv, resumes=not suffix)
     except argparse.ArgumentError:
         return None
     fallback = _base_dir(env) or Path(DEFAULT_BASE).expanduser().resolve()
-    if args.output:
-        out = Path(args.output).expanduser()
+    given = getattr(args, "resume", None) or args.output
+    if given:
+        out = Path(given).expanduser()
         if not out.is_absolute() and _RAY_JOB_ENV in env:
             return fallback / out  # the job's cwd is deleted when the job ends
         return out.resolve()
@@ -103,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = output_dir(argv)
     if out is not None:
-        # argparse keeps the last --output, so this one wins over a relative one in argv.
-        argv = [*argv, "--output", str(out)]
+        # argparse keeps the last --output (--resume), so this one wins over a relative one.
+        flag = "--resume" if _known_args(argv).resume else "--output"
+        argv = [*argv, flag, str(out)]
     code = cli_main(["train", *argv])
     if code == 0 and out is not None:
         print(f"summary: {out / 'summary.json'}", flush=True)

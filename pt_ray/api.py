@@ -146,7 +146,7 @@ class Result:
         timeline: one record per epoch.
         metric_name: name of the eval metric.
         final_eval_metric: the eval metric after the last epoch.
-        wall_time_s: wall time of the whole run.
+        wall_time_s: wall time of the whole run (of this part of it, for a resumed run).
         run_dir: where ``config.yaml`` and ``summary.json`` were written, and the trained
             model in its library's own format (``model/``; :meth:`load_model` reads it).
         checkpoint: the latest checkpoint directory (Ray engine), loadable with
@@ -186,6 +186,7 @@ class Result:
 def fit(
     config: RunConfig | Mapping[str, Any] | str | Path | None = None,
     *,
+    resume_from: str | Path | None = None,
     overrides: Iterable[str] = (),
     output_dir: str | Path | None = None,
     on_epoch: Callable[[EpochRecord], None] | None = None,
@@ -196,6 +197,10 @@ def fit(
 
     Args:
         config: a RunConfig, a dict of fields, a YAML path, or None for the default job.
+        resume_from: the folder of a stopped run on Ray to continue (instead of ``config``):
+            its newest complete checkpoint is loaded (see :mod:`pt_ray.resume`) and the run
+            goes on in that folder; ``overrides`` may then change ``pipeline.*`` (e.g. the
+            number of workers) and ``logging.*`` only.
         overrides: ``key=value`` strings applied on top (e.g. ``"freeze.alpha=0.25"``).
         output_dir: folder for the run's files (default: ``<output_dir>/<name>`` of the config).
         on_epoch: called with each epoch's record (default: log one line per epoch). On Ray
@@ -212,9 +217,23 @@ def fit(
             ``pipeline.placement_timeout_s`` (:class:`pt_ray.placement.PlacementError`). The
             same error ends a run whose workers Ray Train itself gave up placing (each try
             bounded by ``pipeline.placement_timeout_s``), once ``config.yaml`` is written.
+            With ``resume_from``: the folder holds no run that can resume (see
+            :func:`pt_ray.resume.resume_point`), or ``config`` or ``output_dir`` was given too.
     """
-    cfg = resolve_config(config, overrides)
-    run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
+    resumed = None
+    if resume_from is not None:
+        from pt_ray.resume import resume_point
+
+        if config is not None or output_dir is not None:
+            raise ConfigError("resume_from continues a run with its own config.yaml in its own "
+                              "folder: pass neither config nor output_dir with it")
+        resumed = resume_point(resume_from, list(overrides))
+        cfg, run_dir = resumed.config, resumed.run_dir
+        logger.info("resuming %r in %s from its checkpoint after epoch %d of %d (%s)", cfg.name,
+                    run_dir, resumed.next_epoch, cfg.epochs, resumed.checkpoint.name)
+    else:
+        cfg = resolve_config(config, overrides)
+        run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
     check_output_dir(run_dir)
     # Imported here so that config errors surface before torch, Ray and the model load.
     if cfg.engine == "ray":
@@ -265,7 +284,8 @@ def fit(
 
         del splits, adapter  # the workers build their own
         trained = None  # the parameters are in the checkpoint's shards
-        run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice)
+        run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice,
+                         resume_from=resumed.checkpoint if resumed else None)
         cfg, device = run.config, run.device
         metric_name, timeline = run.metric_name, run.timeline
         if on_epoch is not None:
@@ -274,6 +294,9 @@ def fit(
         extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
                      decisions=run.decisions, restarts=run.restarts, cache=run.cache,
                      rollbacks=run.rollbacks)
+        if resumed is not None:
+            extra["resumed_from"] = {"checkpoint": str(resumed.checkpoint),
+                                     "after_epoch": resumed.next_epoch}
     wall = time.perf_counter() - t0
     summary = write_summary(
         run_dir / "summary.json",

@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--output", help="folder for config.yaml and summary.json "
                        "(default: <output_dir>/<name> from the config)")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the stopped run in RUN_DIR from its newest complete "
+                       "checkpoint, in that folder (--set may change pipeline.* and logging.*, "
+                       "e.g. the number of workers)")
     add_plan_parser(sub)
     add_report_parser(sub)
     add_export_parser(sub)
@@ -59,13 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     from pt_ray.api import fit, resolve_config
 
+    # fit raises ConfigError too, before anything starts: an output folder that cannot be made,
+    # dataset or weights files that cannot be read, a model that cannot be built, a device
+    # choice the cluster cannot meet (pipeline.use_gpu=true without the GPUs), workers a cluster
+    # it attached to cannot place (pt_ray.placement.PlacementError); and, with --resume, a
+    # folder holding no run that can go on (pt_ray.resume.resume_point).
     try:
-        cfg = resolve_config(args.config, args.overrides)
-        # fit raises ConfigError too, before anything starts: an output folder that cannot be
-        # made, dataset or weights files that cannot be read, a model that cannot be built, a
-        # device choice the cluster cannot meet (pipeline.use_gpu=true without the GPUs), workers
-        # a cluster it attached to cannot place (pt_ray.placement.PlacementError).
-        result = fit(cfg, output_dir=args.output)
+        if args.resume is not None:
+            if args.config is not None or args.output is not None:
+                raise ConfigError("--resume continues a run with its own config.yaml in its own "
+                                  "folder: drop --config and --output")
+            result = fit(resume_from=args.resume, overrides=args.overrides)
+        else:
+            result = fit(resolve_config(args.config, args.overrides), output_dir=args.output)
     except ConfigError as err:
         print(f"pt-ray: error: {one_line(err)}", file=sys.stderr)
         return 2

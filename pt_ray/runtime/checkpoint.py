@@ -1,15 +1,22 @@
 """Checkpoints of an elastic run: per-layer shards from every rank plus one metadata file.
 
 Each rank writes ``shard-rank<r>.pt`` with the layers whose authoritative copy it holds
-(replica 0's holders): parameters and, for layers that still train, their optimizer state. Rank 0
-also writes ``meta.json`` (epoch, step, samples seen, the plan, the controller's state). Shards
-are keyed by layer name, not by rank, so a restart under any plan (or any number of workers)
-finds every layer it needs wherever it was saved.
+(replica 0's holders): parameters and, for layers that still train, their optimizer state, and
+beside it ``shard-rank<r>.json``, the shard's size and SHA-256. Rank 0 also writes ``meta.json``
+(epoch, step, samples seen, the plan, the controller's state, and ``num_shards``). Shards are
+keyed by layer name, not by rank, so a restart under any plan (or any number of workers) finds
+every layer it needs wherever it was saved.
+
+Ray Train copies each rank's files into the checkpoint folder; a process that dies during the
+copy leaves a folder that lacks files or holds a truncated one. :func:`damage` finds that from
+the manifests, and :func:`latest_checkpoint` skips such a folder for the one before it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +24,10 @@ import torch
 
 from pt_ray.models.base import ModelAdapter, layer_module, layer_names
 
-__all__ = ["META", "load_layers", "load_parameters", "read_meta", "write_meta", "write_shard"]
+__all__ = ["META", "damage", "latest_checkpoint", "load_layers", "load_parameters", "read_meta",
+           "write_meta", "write_shard"]
+
+logger = logging.getLogger(__name__)
 
 META = "meta.json"
 
@@ -25,11 +35,63 @@ META = "meta.json"
 def write_shard(
     directory: Path, rank: int, layers: dict[str, dict[str, Any]]
 ) -> Path:
-    """Write one rank's layers: ``{layer: {"params": state_dict, "optim": [state per param]}}``."""
+    """Write one rank's layers, ``{layer: {"params": state_dict, "optim": [state per param]}}``,
+    and then its manifest (size and SHA-256)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"shard-rank{rank}.pt"
     torch.save(layers, path)
+    manifest = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    path.with_suffix(".json").write_text(json.dumps(manifest))
     return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(directory: Path) -> str | None:
+    """Why the checkpoint in ``directory`` cannot be used (a file missing, unreadable,
+    truncated or changed), or None when it is complete.
+
+    A checkpoint written before shards had manifests (no ``num_shards`` in its metadata) is
+    judged by its metadata alone.
+    """
+    directory = Path(directory)
+    try:
+        meta = read_meta(directory)
+    except (OSError, ValueError) as err:
+        return f"{META} unreadable ({type(err).__name__}: {err})"
+    for rank in range(meta.get("num_shards", 0)):
+        manifest = directory / f"shard-rank{rank}.json"
+        try:
+            expected = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            return f"{manifest.name} missing or unreadable"
+        shard = directory / expected["file"]
+        if not shard.is_file():
+            return f"{shard.name} missing"
+        size = shard.stat().st_size
+        if size != expected["bytes"]:
+            return f"{shard.name} holds {size} bytes of {expected['bytes']}"
+        if _sha256(shard) != expected["sha256"]:
+            return f"{shard.name} does not match its SHA-256"
+    return None
+
+
+def latest_checkpoint(folders: list[Path]) -> Path | None:
+    """The newest complete checkpoint among ``folders`` (Ray Train names them
+    ``checkpoint_<date>_<time>``, so the name orders them in time); each newer damaged one is
+    logged with what is wrong and skipped. None when none is complete."""
+    for folder in sorted(folders, key=lambda p: p.name, reverse=True):
+        why = damage(folder)
+        if why is None:
+            return folder
+        logger.warning("checkpoint %s skipped: %s; trying the one before it", folder, why)
+    return None
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> Path:

@@ -625,6 +625,7 @@ class ElasticWorker:
             "global_step": self.global_step,
             "samples_seen": self.samples_seen,
             "num_workers": self.world,
+            "num_shards": self.world,  # every rank writes one, with its manifest
             "precision": self.precision.name,
             **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {}),
         }

@@ -87,10 +87,12 @@ class ControllerActor:
     async def state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
 
-    async def resume(self, state: dict[str, Any], next_decision: int) -> Plan:
-        """Roll back to a checkpoint after a worker-group restart (rank 0 calls it)."""
+    async def resume(self, state: dict[str, Any], next_decision: int,
+                     restart: bool = True) -> Plan:
+        """Roll back to a checkpoint (rank 0 calls it): after a worker-group restart, or, with
+        ``restart=False``, when a new run continues a stopped one (not counted as a restart)."""
         plan = self.state.resume(state, next_decision)
-        self.restarts += 1
+        self.restarts += int(restart)
         await self._notify()
         return plan
 
@@ -151,5 +153,5 @@ class RayController:
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
 
-    def resume(self, state: dict[str, Any], next_decision: int) -> Plan:
-        return self._call("resume", state, next_decision)
+    def resume(self, state: dict[str, Any], next_decision: int, restart: bool = True) -> Plan:
+        return self._call("resume", state, next_decision, restart)

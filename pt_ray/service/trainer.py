@@ -164,6 +164,7 @@ def run_on_ray(
     worker_env: dict[str, str] | None = None,
     on_start: Callable[[RunConfig], None] | None = None,
     choice: DeviceChoice | None = None,
+    resume_from: Path | None = None,
 ) -> RayRun:
     """Run ``cfg`` on Ray Train with one worker per device and a named controller actor.
 
@@ -175,6 +176,9 @@ def run_on_ray(
             before any actor or worker starts, e.g. to write ``config.yaml``.
         choice: the devices already chosen by :func:`cluster_devices` for the embedded
             cluster this call starts (None: chosen here).
+        resume_from: a stopped run's checkpoint folder to continue from (its parameters,
+            optimizer state, freeze state, plan, controller timeline, data position and RNG
+            state), on this run's number of workers.
 
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs; raised
@@ -201,7 +205,7 @@ def run_on_ray(
                                        cfg.pipeline.placement_timeout_s).autoscaler
         if on_start is not None:
             on_start(cfg)
-        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler)
+        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from)
     finally:
         if started:
             ray.shutdown()
@@ -223,7 +227,7 @@ def _train_start_timeout(seconds: float) -> Iterator[None]:
 
 
 def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
-         autoscaler: bool = False) -> RayRun:
+         autoscaler: bool = False, resume_from: Path | None = None) -> RayRun:
     p = cfg.pipeline
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     controller = ControllerActor.options(name=controller_name(run_id)).remote(
@@ -244,7 +248,8 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         train_loop_per_worker,
         train_loop_config={"run": cfg.model_dump(mode="json"),
                            "controller": controller_name(run_id),
-                           "cache": cache_name(run_id) if cache is not None else None},
+                           "cache": cache_name(run_id) if cache is not None else None,
+                           "resume_from": str(resume_from) if resume_from else None},
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=use_gpu,

@@ -3,8 +3,8 @@
 Ray Train starts one of these per worker with the WORLD process group already formed. Each
 rank builds the model from the run's seed, reaches the controller by name, resumes from Ray
 Train's latest checkpoint when there is one (a failure restart, possibly with a different worker
-count), and reports metrics and a checkpoint every epoch (``ray.train.report`` is a barrier:
-every rank reports).
+count) or else from the stopped run it continues (``resume_from``), and reports metrics and a
+checkpoint every epoch (``ray.train.report`` is a barrier: every rank reports).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     Args:
         config: ``{"run": RunConfig as a dict, "controller": actor name, "cache": the cache
-            actor's name or None}``.
+            actor's name or None, "resume_from": the checkpoint folder of a stopped run to
+            continue, or None}``.
     """
     setup_logging()
     quiet_ray_train()
@@ -141,14 +142,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                            device=device, on_step=on_step, store=store)
 
     first_epoch = 0
+    # Ray Train's latest checkpoint of this run (a restart after a failure), else the stopped
+    # run's checkpoint this run continues (`pt-ray train --resume`).
     checkpoint = ray.train.get_checkpoint()
+    restart = checkpoint is not None
+    if checkpoint is None and config.get("resume_from"):
+        checkpoint = ray.train.Checkpoint.from_directory(config["resume_from"])
     if checkpoint is None:
         worker.start()
     else:
         with checkpoint.as_directory() as directory:
             meta = read_meta(Path(directory))
             if rank == 0:
-                controller.resume(meta["controller"], meta["next_decision"])
+                controller.resume(meta["controller"], meta["next_decision"], restart)
             worker.comm.barrier()
             plan = controller.plan_for(meta["next_decision"])
             first_epoch = worker.restore(Path(directory), plan)
