@@ -1,4 +1,4 @@
-"""Build a model adapter from a ``ModelConfig``: timm ViTs and Hugging Face BERT-family encoders."""
+"""Build a model adapter from a ``ModelConfig``: timm ViTs and Hugging Face encoders."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ import torch
 
 from pt_ray.config import ConfigError, ModelConfig, first_line
 from pt_ray.models.base import ModelAdapter
-from pt_ray.models.bert import HF_ENCODERS, HFEncoderAdapter, HFEncoderSpec
+from pt_ray.models.bert import (
+    HF_ENCODERS,
+    HFConfigFields,
+    HFEncoderAdapter,
+    HFEncoderSpec,
+    check_cut,
+    discover_spec,
+    encoder_fields,
+)
 from pt_ray.models.vit import TimmViTAdapter, load_timm_weights
 
 __all__ = ["build_adapter"]
@@ -55,7 +63,8 @@ def build_adapter(
     Raises:
         ConfigError: an unknown model name or type (with the close or supported ones), a task
             the family does not support, conflicting overrides, model fields the architecture
-            cannot be built with, or weights that are missing, unreadable or do not fit.
+            cannot be built with, weights that are missing, unreadable or do not fit, or a
+            Hugging Face model directory of a type that cannot be cut (with the reason).
         ValueError: ``task`` is neither classification nor question answering.
     """
     if task not in _TASKS:
@@ -145,18 +154,27 @@ def _build_timm(
 
 
 def _hf_type(cfg: ModelConfig) -> str:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     name = cfg.name.lower().replace("_", "-")
-    if name not in HF_ENCODERS:
-        # Hub ids such as "bert-base-uncased" start with their type.
-        prefixed = sorted((t for t in HF_ENCODERS if name.startswith(t)), key=len, reverse=True)
-        close = prefixed[:1] or difflib.get_close_matches(name, list(HF_ENCODERS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+    if name in HF_ENCODERS:
+        return name
+    named = ", ".join(sorted(HF_ENCODERS))
+    if name in CONFIG_MAPPING_NAMES or cfg.name in CONFIG_MAPPING_NAMES:
         raise ConfigError(
-            f"model.name={cfg.name!r} is not a supported Hugging Face encoder type; {hint}"
-            f"choose one of {', '.join(sorted(HF_ENCODERS))} (or set model.weights to a local "
-            "model directory)"
+            f"model.name={cfg.name!r} is a transformers model type that pt-ray builds by name "
+            f"only for {named}: other encoders are cut from a local directory, where their "
+            "layers are found and checked against the model's own forward; save one with "
+            "save_pretrained and set model.weights to it"
         )
-    return name
+    # Hub ids such as "bert-base-uncased" start with their type.
+    prefixed = sorted((t for t in HF_ENCODERS if name.startswith(t)), key=len, reverse=True)
+    close = prefixed[:1] or difflib.get_close_matches(name, list(HF_ENCODERS), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(
+        f"model.name={cfg.name!r} is not a supported Hugging Face encoder type; {hint}"
+        f"choose one of {named} (or set model.weights to a local model directory)"
+    )
 
 
 def _unbuildable(cfg: ModelConfig, kwargs: dict[str, Any], err: BaseException) -> str:
@@ -189,11 +207,7 @@ def _build_hf(
     vocab_size: int | None,
     seq_len: int | None,
 ) -> HFEncoderAdapter:
-    from transformers import (
-        AutoConfig,
-        AutoModelForQuestionAnswering,
-        AutoModelForSequenceClassification,
-    )
+    from transformers import AutoModelForQuestionAnswering, AutoModelForSequenceClassification
 
     if task == "question_answering" and num_classes not in (None, 2):
         raise ValueError(
@@ -210,57 +224,111 @@ def _build_hf(
         else AutoModelForSequenceClassification
     )
     if cfg.weights is None:
-        model_type = _hf_type(cfg)
-        spec = HF_ENCODERS[model_type]
-        kwargs = _arch_kwargs(cfg, spec, AutoConfig.for_model(model_type))
-        if num_labels is not None:
-            kwargs["num_labels"] = num_labels
-        if vocab_size is not None:
-            kwargs["vocab_size"] = vocab_size
-        _merge(kwargs, overrides, _field_names(spec))
-        try:
-            config = AutoConfig.for_model(model_type, **kwargs)
-            _fit_positions(config, spec, seq_len, grow=True)
-            model = auto.from_config(config, **model_kwargs)
-        except (ValueError, TypeError, AssertionError, KeyError) as err:
-            raise ConfigError(_unbuildable(cfg, kwargs, err)) from None
-    else:
-        path = Path(cfg.weights)
-        _check_weights_dir(path)
-        try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as err:  # transformers' words for an unreadable config
-            raise ConfigError(
-                f"model.weights={str(path)!r}: config.json cannot be read ({first_line(err)}); "
-                "point model.weights at a directory written by save_pretrained"
-            ) from None
-        model_type = config.model_type
-        if model_type not in HF_ENCODERS:
-            raise ConfigError(
-                f"model.weights={str(path)!r} holds a {model_type!r} model, which has no "
-                f"adapter; supported types: {', '.join(sorted(HF_ENCODERS))}"
-            )
-        asked = cfg.name.lower().replace("_", "-")
-        if asked in HF_ENCODERS and asked != model_type:
-            raise ConfigError(
-                f"model.name={cfg.name!r} but model.weights={str(path)!r} holds a "
-                f"{model_type!r} model; set model.name={model_type!r}"
-            )
-        spec = HF_ENCODERS[model_type]
-        kwargs = _pretrained_kwargs(cfg, spec, config)
-        if num_labels is not None:
-            kwargs["num_labels"] = num_labels
-        _merge(kwargs, overrides, _field_names(spec))
-        for key, value in kwargs.items():
-            setattr(config, key, value)
-        if vocab_size is not None and vocab_size > config.vocab_size:
-            raise ConfigError(
-                f"vocab_size={vocab_size} exceeds the checkpoint's vocab_size={config.vocab_size} "
-                f"in {str(path)!r}; use the checkpoint's tokenizer"
-            )
+        model = _hf_from_name(cfg, auto, num_labels, vocab_size, seq_len, overrides, model_kwargs)
+        return HFEncoderAdapter(model, task)  # type: ignore[arg-type]
+    return _hf_from_weights(cfg, auto, task, num_labels, vocab_size, seq_len, overrides,
+                            model_kwargs)
+
+
+def _hf_from_name(
+    cfg: ModelConfig,
+    auto: Any,
+    num_labels: int | None,
+    vocab_size: int | None,
+    seq_len: int | None,
+    overrides: dict[str, Any],
+    model_kwargs: dict[str, Any],
+) -> Any:
+    """A fresh model of a type in ``HF_ENCODERS``, built from its config."""
+    from transformers import AutoConfig
+
+    model_type = _hf_type(cfg)
+    spec = HF_ENCODERS[model_type]
+    kwargs = _arch_kwargs(cfg, spec.fields, AutoConfig.for_model(model_type))
+    if num_labels is not None:
+        kwargs["num_labels"] = num_labels
+    if vocab_size is not None:
+        kwargs["vocab_size"] = vocab_size
+    _merge(kwargs, overrides, _field_names(spec.fields))
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+        _fit_positions(config, spec, seq_len, grow=True)
+        return auto.from_config(config, **model_kwargs)
+    except (ValueError, TypeError, AssertionError, KeyError) as err:
+        raise ConfigError(_unbuildable(cfg, kwargs, err)) from None
+
+
+def _hf_from_weights(
+    cfg: ModelConfig,
+    auto: Any,
+    task: str,
+    num_labels: int | None,
+    vocab_size: int | None,
+    seq_len: int | None,
+    overrides: dict[str, Any],
+    model_kwargs: dict[str, Any],
+) -> HFEncoderAdapter:
+    """The model in the local directory ``cfg.weights``. A type outside ``HF_ENCODERS`` is cut
+    where its BERT pattern is found, and only if the cut computes the model's own forward."""
+    from transformers import AutoConfig
+
+    path = Path(cfg.weights)  # type: ignore[arg-type]
+    label = f"model.weights={str(path)!r}"
+    _check_weights_dir(path)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:  # transformers' words for an unreadable config
+        raise ConfigError(
+            f"{label}: config.json cannot be read ({first_line(err)}); point model.weights at "
+            "a directory written by save_pretrained"
+        ) from None
+    model_type = config.model_type
+    asked = cfg.name.lower().replace("_", "-")
+    if asked in HF_ENCODERS and asked != model_type:
+        raise ConfigError(
+            f"model.name={cfg.name!r} but {label} holds a {model_type!r} model; set "
+            f"model.name={model_type!r}"
+        )
+    spec = HF_ENCODERS.get(model_type)
+    fields = spec.fields if spec else encoder_fields(config, label)
+    _check_auto_class(auto, model_type, label)
+    kwargs = _pretrained_kwargs(cfg, fields, config)
+    if num_labels is not None:
+        kwargs["num_labels"] = num_labels
+    _merge(kwargs, overrides, _field_names(fields))
+    for key, value in kwargs.items():
+        setattr(config, key, value)
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"vocab_size={vocab_size} exceeds the checkpoint's vocab_size={config.vocab_size} "
+            f"in {str(path)!r}; use the checkpoint's tokenizer"
+        )
+    if spec is not None:
         _fit_positions(config, spec, seq_len, grow=False)
         model = _from_pretrained(auto, path, config, model_kwargs)
-    return HFEncoderAdapter(model, task)  # type: ignore[arg-type]
+        return HFEncoderAdapter(model, task, spec)  # type: ignore[arg-type]
+    model = _from_pretrained(auto, path, config, model_kwargs)
+    found = discover_spec(model, task, label)  # type: ignore[arg-type]
+    _fit_positions(config, found, seq_len, grow=False)
+    adapter = HFEncoderAdapter(model, task, found)  # type: ignore[arg-type]
+    check_cut(adapter, label)
+    logger.info("%s: %s cut at %s.%s (%d layers), matching its own forward", label, model_type,
+                found.base, ".".join(found.layers), adapter.num_layers)
+    return adapter
+
+
+def _check_auto_class(auto: Any, model_type: str, label: str) -> None:
+    """Refuse a model type that has no ``auto`` task class in transformers."""
+    from transformers.models.auto import modeling_auto
+
+    names = (modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES
+             if auto.__name__.endswith("QuestionAnswering")
+             else modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    if model_type not in names:
+        raise ConfigError(
+            f"{label} holds a {model_type!r} model, for which transformers has no "
+            f"{auto.__name__}; choose another task or model type"
+        )
 
 
 def _from_pretrained(auto: Any, path: Path, config: Any, model_kwargs: dict[str, Any]) -> Any:
@@ -279,44 +347,44 @@ def _from_pretrained(auto: Any, path: Path, config: Any, model_kwargs: dict[str,
         ) from None
 
 
-def _field_names(spec: HFEncoderSpec) -> dict[str, str]:
+def _field_names(fields: HFConfigFields) -> dict[str, str]:
     """Hugging Face config field -> the ``ModelConfig`` field that sets it."""
     names = {
-        spec.depth: "model.depth",
-        spec.width: "model.width",
-        spec.num_heads: "model.num_heads",
-        spec.ffn: "model.mlp_ratio",
+        fields.depth: "model.depth",
+        fields.width: "model.width",
+        fields.num_heads: "model.num_heads",
+        fields.ffn: "model.mlp_ratio",
         "num_labels": "num_classes",
         "vocab_size": "vocab_size",
     }
-    return names | dict.fromkeys(spec.dropouts, "model.dropout")
+    return names | dict.fromkeys(fields.dropouts, "model.dropout")
 
 
-def _arch_kwargs(cfg: ModelConfig, spec: HFEncoderSpec, defaults: Any) -> dict[str, Any]:
+def _arch_kwargs(cfg: ModelConfig, fields: HFConfigFields, defaults: Any) -> dict[str, Any]:
     """Config fields for a model built from scratch."""
     kwargs: dict[str, Any] = {}
     if cfg.depth is not None:
-        kwargs[spec.depth] = cfg.depth
+        kwargs[fields.depth] = cfg.depth
     if cfg.width is not None:
-        kwargs[spec.width] = cfg.width
+        kwargs[fields.width] = cfg.width
     if cfg.num_heads is not None:
-        kwargs[spec.num_heads] = cfg.num_heads
+        kwargs[fields.num_heads] = cfg.num_heads
     if cfg.mlp_ratio is not None:
-        width = cfg.width if cfg.width is not None else getattr(defaults, spec.width)
-        kwargs[spec.ffn] = round(width * cfg.mlp_ratio)
+        width = cfg.width if cfg.width is not None else getattr(defaults, fields.width)
+        kwargs[fields.ffn] = round(width * cfg.mlp_ratio)
     if cfg.dropout is not None:
-        kwargs.update(dict.fromkeys(spec.dropouts, cfg.dropout))
+        kwargs.update(dict.fromkeys(fields.dropouts, cfg.dropout))
     return kwargs
 
 
-def _pretrained_kwargs(cfg: ModelConfig, spec: HFEncoderSpec, config: Any) -> dict[str, Any]:
+def _pretrained_kwargs(cfg: ModelConfig, fields: HFConfigFields, config: Any) -> dict[str, Any]:
     """Config changes allowed on a checkpoint: fewer layers and other dropout; the shape fields
     must match it."""
-    width = getattr(config, spec.width)
+    width = getattr(config, fields.width)
     fixed = {
         "model.width": (cfg.width, width),
-        "model.num_heads": (cfg.num_heads, getattr(config, spec.num_heads)),
-        "model.mlp_ratio": (cfg.mlp_ratio, getattr(config, spec.ffn) / width),
+        "model.num_heads": (cfg.num_heads, getattr(config, fields.num_heads)),
+        "model.mlp_ratio": (cfg.mlp_ratio, getattr(config, fields.ffn) / width),
     }
     for field, (asked, actual) in fixed.items():
         if asked is not None and abs(asked - actual) > 1e-9:
@@ -325,16 +393,21 @@ def _pretrained_kwargs(cfg: ModelConfig, spec: HFEncoderSpec, config: Any) -> di
                 f"({actual:g}); leave {field} unset to use the checkpoint's"
             )
     kwargs: dict[str, Any] = {}
-    depth = getattr(config, spec.depth)
+    depth = getattr(config, fields.depth)
     if cfg.depth is not None:
         if cfg.depth > depth:
             raise ConfigError(
                 f"model.depth={cfg.depth} exceeds the checkpoint's {depth} layers in "
                 f"{str(cfg.weights)!r}; choose at most {depth} (the first layers are kept)"
             )
-        kwargs[spec.depth] = cfg.depth
+        kwargs[fields.depth] = cfg.depth
     if cfg.dropout is not None:
-        kwargs.update(dict.fromkeys(spec.dropouts, cfg.dropout))
+        if not fields.dropouts:
+            raise ConfigError(
+                f"model.dropout={cfg.dropout} cannot be set: the config in {str(cfg.weights)!r} "
+                "has no hidden_dropout_prob or attention_probs_dropout_prob; leave it unset"
+            )
+        kwargs.update(dict.fromkeys(fields.dropouts, cfg.dropout))
     return kwargs
 
 
