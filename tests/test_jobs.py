@@ -56,6 +56,28 @@ def test_output_defaults_outside_the_jobs_temporary_working_dir(tmp_path, monkey
     )
     monkeypatch.chdir(tmp_path)
     assert entry.output_dir(["--output=rel"], {}) == tmp_path / "rel"
+    # --resume RUN_DIR names the run's own folder, found as --output is.
+    assert entry.output_dir(["--resume", str(base / "x")], job) == base / "x"
+    assert entry.output_dir(["--resume", "rel"], {**job, "PT_RAY_OUTPUT": str(base)}) == (
+        base / "rel")
+    assert entry.output_dir(["--resume=rel"], {}) == tmp_path / "rel"
+
+
+@pytest.mark.unit
+def test_resume_in_a_job_names_the_absolute_run_folder(tmp_path, monkeypatch, capsys):
+    entry = load_entry()
+    monkeypatch.setenv("PT_RAY_OUTPUT", str(tmp_path / "runs"))
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    # A relative RUN_DIR in a job is the run under the base folder; none is there: one line.
+    assert entry.main(["--resume", "stopped"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"pt-ray: error: resume: '{tmp_path / 'runs' / 'stopped' / 'config.yaml'}' "
+                   "not found; pass the folder of a run pt-ray started (it holds config.yaml "
+                   "and ray/)")
+    # A sweep's --resume is a flag: it names no folder.
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}", "PT_RAY_OUTPUT": str(tmp_path / "b")}
+    assert entry.output_dir(["--resume", "--output", "s"], job, "-sweep") == tmp_path / "b" / "s"
+    assert entry.output_dir(["--resume"], job, "-sweep") == tmp_path / "b" / "default-sweep"
 
 
 @pytest.mark.unit
