@@ -12,15 +12,8 @@ import torch
 
 from pt_ray.config import ConfigError, ModelConfig, first_line
 from pt_ray.models.base import ModelAdapter
-from pt_ray.models.bert import (
-    HF_ENCODERS,
-    HFConfigFields,
-    HFEncoderAdapter,
-    HFEncoderSpec,
-    check_cut,
-    discover_spec,
-    encoder_fields,
-)
+from pt_ray.models.bert import HF_ENCODERS, HFConfigFields, HFEncoderAdapter, HFEncoderSpec
+from pt_ray.models.hf_discovery import check_cut, discover_spec, encoder_fields
 from pt_ray.models.vit import TimmViTAdapter, load_timm_weights
 
 __all__ = ["build_adapter"]
