@@ -272,11 +272,20 @@ def fit(
         start(cfg)
         from pt_ray.runtime.reference import ReferenceTrainer
 
+        from pt_ray.steplog import StepReporter, StepWriter
+
+        # No Ray Train to report to: the step reports go to TensorBoard only, if on.
+        steps = (StepReporter(writer=StepWriter(run_dir / "tensorboard"))
+                 if cfg.logging.tensorboard else None)
         # The preflight's dataset and model: built once, in the order the trainer builds them.
-        trainer = ReferenceTrainer(cfg, splits=splits, adapter=adapter)
+        trainer = ReferenceTrainer(cfg, splits=splits, adapter=adapter, on_step_report=steps)
         trained = trainer.adapter
         metric_name = trainer.adapter.metric_name
-        timeline = trainer.fit(report)
+        try:
+            timeline = trainer.fit(report)
+        finally:
+            if steps is not None:
+                steps.close()
         extra["rollbacks"] = [{**r, "discarded": [asdict(d) for d in trainer.discarded]}
                               for r in trainer.rollbacks]
     else:

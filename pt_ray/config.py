@@ -357,7 +357,17 @@ class LoggingConfig(_Section):
     report: bool = True
     """Render ``report.png`` (the timeline plot of ``pt-ray report``) into the run folder."""
     tensorboard: bool = False
-    """Write the timeline as TensorBoard scalars into ``<run folder>/tensorboard``."""
+    """Write the timeline as TensorBoard scalars into ``<run folder>/tensorboard`` when the run
+    ends, and the ``every_steps`` reports as they happen (``step/*`` tags, flushed each time)."""
+    every_steps: int = Field(default=50, ge=0)
+    """Every this many optimizer steps of the run (steps N, 2N, ...), report rank 0's view of
+    the step: its training loss (the mean over the global batch, as the epoch's loss averages
+    it over steps), the global training samples per second since the last report, the learning
+    rate, the epoch, the step and the frozen blocks; with ``tensorboard``, as live TensorBoard
+    scalars, and on the Ray engine through ``ray.train.report`` on every rank (skipped where
+    Ray Train could not collect it without making training wait: see
+    :class:`pt_ray.steplog.StepReporter`). Costs one host read of the loss and one all-reduce
+    of two numbers per report; 0: off."""
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     """Per-epoch progress on rank 0: ``bar`` redraws in place, ``lines`` writes a line per
     quarter of a long epoch, ``auto``: a bar on a terminal, lines elsewhere; ``off``: none."""

@@ -42,6 +42,8 @@ def test_yaml_then_overrides_in_order(tmp_path):
         ("pipeline.num_microbatches=1",
          r"pipeline\.num_microbatches=1 is fewer than the 2 pipeline stages"),
         ("freeze", r"not key=value"),
+        ("logging.every_steps=-1",
+         r"logging\.every_steps=-1: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_values_name_field_value_and_fix(override, message):

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.unit
 PKG = Path(__file__).resolve().parents[1] / "pt_ray"
 PURE = ["config.py", "freeze.py", "partition.py", "plan.py", "summary.py", "costmodel.py",
         "costplan.py", "hwprofile.py", "pipesim.py", "shapes.py", "simulate.py", "plan_cli.py",
-        "control.py", "logs.py", "report.py", "report_cli.py", "progress.py", "tensorboard.py",
-        "sweep.py", "sweep_report.py", "devices.py", "placement.py", "export_cli.py"]
+        "control.py", "logs.py", "report.py", "report_cli.py", "progress.py", "steplog.py",
+        "tensorboard.py", "sweep.py", "sweep_report.py", "devices.py", "placement.py",
+        "export_cli.py"]
 TORCH_ONLY = ["models", "data", "runtime"]
 
 

@@ -30,3 +30,108 @@ def test_ray_train_report_lines_are_silenced_by_their_file_named_logger(caplog):
         assert logger.isEnabledFor(logging.WARNING)
     finally:
         logger.setLevel(before)
+
+
+# --- logging.every_steps --------------------------------------------------------------------
+
+
+def step_config(tmp_path, **extra):
+    from pt_ray.config import build_config
+
+    return build_config({
+        "name": "every-steps",
+        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
+                  "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
+        "data": {"name": "synthetic_image", "num_samples": 128, "image_size": 8,
+                 "batch_size": 16},
+        # K 2 (rank 0 holds no loss) for 1 epoch, 2 frozen; then K 1, R 2 (each holds half).
+        "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
+        "pipeline": {"num_workers": 2, "schedule": "1f1b", "policy": "paper"},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
+        "logging": {"every_steps": 5, "tensorboard": True, "report": False,
+                    "progress": "off"},
+        "epochs": 3,
+        "output_dir": str(tmp_path),
+        **extra,
+    })
+
+
+def test_worker_step_reports_reach_ray_train_on_every_rank_and_tensorboard_from_rank_0(
+        tmp_path, monkeypatch):
+    from pt_ray.service.worker import _step_reporter
+    from pt_ray.steplog import StepRecord
+    from test_report import read_scalars
+
+    cfg = step_config(tmp_path)
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
+    reported: dict[int, list[dict]] = {0: [], 1: []}
+    reporters = {rank: _step_reporter(cfg, rank, str(tmp_path), reported[rank].append)
+                 for rank in (0, 1)}
+    assert reporters[0].min_gap_s == 3.0  # 1.5 of Ray Train's poll interval
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+    assert _step_reporter(cfg, 0, None, print).min_gap_s == 1.0  # at least 1 s
+    # One epoch of 200 steps of 0.1 s, a record every 5 steps (0.5 s): every rank sees the
+    # same records (rank 0's window time) and so makes the same calls.
+    for s in range(5, 201, 5):
+        rec = StepRecord(epoch=0, global_step=s, epoch_step=s, epoch_steps=200,
+                         train_loss=2.0 / s, samples_per_s=160.0, lr=1e-3, num_frozen=0,
+                         window_s=0.5, window_steps=5)
+        for reporter in reporters.values():
+            reporter(rec)
+    for reporter in reporters.values():
+        reporter.close()
+    assert reported[0] == reported[1]
+    # 3 s apart, none within 3 s of the epoch's end (its own report).
+    assert [m["global_step"] for m in reported[0]] == [30, 60, 90, 120, 150]
+    assert reported[0][0] == {"report": "step", "epoch": 0, "global_step": 30,
+                              "epoch_step": 30, "epoch_steps": 200, "train_loss": 2.0 / 30,
+                              "samples_per_s": 160.0, "lr": 1e-3, "num_frozen": 0,
+                              "window_s": 0.5, "window_steps": 5}
+    # TensorBoard gets every record, from rank 0 only (one event file).
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    scalars = read_scalars(tmp_path / "tensorboard")
+    assert [s for s, _ in scalars["step/loss"]] == list(range(5, 201, 5))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_ray_run_reports_steps_while_it_runs_and_prints_pt_ray_lines_only(tmp_path, capfd):
+    """every_steps=5 on Ray Train (K 2, then K 1 x R 2): rank 0's live event file holds the
+    step losses at 5, 10, 15, 20, equal to the reference trainer's; the per-epoch scalars sit
+    beside them; the terminal shows pt-ray's epoch lines and none of Ray Train's reports.
+
+    ``fit`` attaches to the session's cluster when one is up, else starts its own and shuts it
+    down (tests/test_api.py checks that no cluster is left over)."""
+    import math
+    import time
+
+    from pt_ray.api import fit
+    from pt_ray.runtime.reference import ReferenceTrainer
+    from test_report import read_scalars
+
+    expected = []
+    ReferenceTrainer(step_config(tmp_path / "ref", engine="reference"),
+                     on_step_report=expected.append).fit()
+    assert [r.global_step for r in expected] == [5, 10, 15, 20]
+    capfd.readouterr()
+
+    result = fit(step_config(tmp_path / "ray"))
+    time.sleep(2)  # Ray forwards the workers' output to this process every few 100 ms
+    out = "".join(capfd.readouterr())
+
+    logdir = result.run_dir / "tensorboard"
+    assert len(list(logdir.glob("events.out.tfevents.*.steps"))) == 1
+    scalars = read_scalars(logdir)
+    assert [s for s, _ in scalars["step/loss"]] == [5, 10, 15, 20]
+    losses = [v for _, v in scalars["step/loss"]]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses == pytest.approx([r.train_loss for r in expected], rel=1e-4)
+    assert [v for _, v in scalars["step/lr"]] == pytest.approx([r.lr for r in expected])
+    assert [v for _, v in scalars["step/num_frozen"]] == [r.num_frozen for r in expected]
+    assert all(v > 0 for _, v in scalars["step/samples_per_s"])
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]  # the end-of-run timeline
+
+    assert "epoch   1/3  loss" in out  # the workers' lines did reach this terminal
+    for ray_train_line in ("Reporting training result", "TrainingReport", "'train_loss'",
+                           "'global_step'"):
+        assert ray_train_line not in out

@@ -79,6 +79,7 @@ from pt_ray.runtime.reference import GradNormMeter
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
 from pt_ray.runtime.sync import BlockIndex, all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology
+from pt_ray.steplog import StepRecord, StepWindow
 from pt_ray.summary import EpochRecord
 
 __all__ = ["Controller", "ElasticWorker", "LocalController"]
@@ -98,6 +99,9 @@ class ElasticWorker:
         costs: a fixed cost table (skips profiling; for tests and forced layouts).
         on_step: called as ``on_step(epoch, step)`` before every training step (progress
             reporting, fault injection in tests).
+        on_step_report: with ``logging.every_steps`` N > 0, called on every rank with the
+            :class:`~pt_ray.steplog.StepRecord` of every N-th step of the run; give it on every
+            rank or on none (each report reduces the step's loss over WORLD).
         store: the activation cache's store (None: the frozen prefix is always recomputed,
             whatever the plans say).
         comm: the run's communication (default: built for ``device`` over WORLD).
@@ -115,9 +119,13 @@ class ElasticWorker:
         on_step: Callable[[int, int], None] | None = None,
         store: ActivationStore | None = None,
         comm: Comm | None = None,
+        on_step_report: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.on_step = on_step
+        self.on_step_report = on_step_report
+        every = cfg.logging.every_steps
+        self.step_window = StepWindow(every) if on_step_report is not None and every else None
         self.adapter = adapter
         self.splits = splits
         self.controller = controller
@@ -148,6 +156,7 @@ class ElasticWorker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_step = 0
         self.samples_seen = 0
+        self.lr = cfg.optimizer.lr  # the last step's learning rate
         self._epoch = 0
         self.next_epoch = 0
         # Decision d opens epoch d - decision_shift (the shift grows by one at a rollback).
@@ -282,7 +291,8 @@ class ElasticWorker:
         r = plan.num_replicas
         scale = r if cfg.batch_policy == "per_replica" and cfg.optimizer.scale_lr_with_replicas else 1
         progress = self.samples_seen / self.total_samples
-        set_lr(self.optimizer, cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer))
+        self.lr = cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer)
+        set_lr(self.optimizer, self.lr)
         self.optimizer.zero_grad(set_to_none=True)
         parts = accumulation_chunks(len(indices), cfg.optimizer.accumulation_steps)
         loss: torch.Tensor | float = 0.0
@@ -476,6 +486,7 @@ class ElasticWorker:
         offset, steps = 0, 0
         loss_sum: torch.Tensor | float = 0.0
         t0 = time.perf_counter()
+        mark = t0  # where the next step's wall time starts, for the step reports
         while offset + self._replicas_batch() <= len(order):
             if self.on_step is not None:
                 self.on_step(epoch, steps)
@@ -484,9 +495,12 @@ class ElasticWorker:
             size = self._replicas_batch()  # a decision may have changed R
             if offset + size > len(order):
                 break
-            loss_sum += self.train_step(order[offset:offset + size])
+            loss = self.train_step(order[offset:offset + size])
+            loss_sum += loss
             offset += size
             steps += 1
+            if self.step_window is not None:
+                mark = self._step_report(epoch, steps, loss, size, mark)
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
             torch.cuda.synchronize(self.device)
         epoch_time = time.perf_counter() - t0
@@ -525,6 +539,44 @@ class ElasticWorker:
             if cfg.freeze.rollback:
                 self._after_guard(decision + 1, evaluated=metric == metric)
         return rec
+
+    def _step_report(self, epoch: int, epoch_step: int, loss: torch.Tensor | float,
+                     samples: int, mark: float) -> float:
+        """Count the step just taken in the throughput window and, every
+        ``logging.every_steps`` steps, hand its record to ``on_step_report`` on every rank.
+
+        Args:
+            epoch: the step's epoch.
+            epoch_step: steps of the epoch so far, this one included.
+            loss: this rank's share of the step's loss (:meth:`train_step`).
+            samples: the step's global batch.
+            mark: when the step's wall time began (the previous step's end).
+
+        Returns:
+            The next step's ``mark``.
+        """
+        window = self.step_window
+        if not window.due(self.global_step):
+            now = time.perf_counter()
+            window.add(samples, now - mark)
+            return now
+        # Only reporting steps read the loss back, which waits for the window's kernels: the
+        # window's wall time is the device's.
+        loss = float(loss)
+        now = time.perf_counter()
+        window.add(samples, now - mark)
+        # Last stages hold their replica's mean loss / R, other ranks 0: the sum is the mean
+        # over the global batch. Rank 0's window time comes along, so that every rank reports
+        # the same record (and makes the same reporting calls).
+        loss, seconds = self.comm.reduce_values(
+            [loss, window.seconds if self.rank == 0 else 0.0])
+        samples_per_s, window_s, window_steps = window.take(seconds)
+        self.on_step_report(StepRecord(
+            epoch=epoch, global_step=self.global_step, epoch_step=epoch_step,
+            epoch_steps=self.steps_in_epoch(), train_loss=loss, samples_per_s=samples_per_s,
+            lr=self.lr, num_frozen=self.plan.num_frozen, window_s=window_s,
+            window_steps=window_steps))
+        return now
 
     def _after_guard(self, decision: int, evaluated: bool) -> None:
         """With ``freeze.rollback``: take the next decision now, and roll back if the guard

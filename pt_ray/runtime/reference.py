@@ -52,6 +52,7 @@ from pt_ray.runtime.optim import (
     remove_layers,
     set_lr,
 )
+from pt_ray.steplog import StepRecord, StepWindow
 from pt_ray.summary import EpochRecord
 
 __all__ = ["GradNormMeter", "ReferenceTrainer", "build_model_for", "evaluate"]
@@ -181,6 +182,8 @@ class ReferenceTrainer:
         splits: datasets (default: built from ``cfg.data``).
         adapter: the model (default: built from ``cfg.model`` for ``splits``).
         policy: the freeze policy (default: from ``cfg.freeze``, L from the model).
+        on_step_report: with ``logging.every_steps`` N > 0, called with the
+            :class:`~pt_ray.steplog.StepRecord` of every N-th step of the run.
     """
 
     def __init__(
@@ -190,8 +193,12 @@ class ReferenceTrainer:
         splits: DatasetSplits | None = None,
         adapter: ModelAdapter | None = None,
         policy: FreezePolicy | None = None,
+        on_step_report: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.on_step_report = on_step_report
+        every = cfg.logging.every_steps
+        self.step_window = StepWindow(every) if on_step_report is not None and every else None
         self.splits = splits or build_dataset(cfg.data, seed=cfg.seed,
                                                  tokenizer_dir=cfg.model.weights)
         self.adapter = adapter or build_model_for(cfg, self.splits)
@@ -209,6 +216,7 @@ class ReferenceTrainer:
         )
         self.num_frozen = 0
         self.global_step = 0
+        self.lr = cfg.optimizer.lr  # the last step's learning rate
         self.norms = GradNormMeter()
         self.precision = resolve_precision(cfg.precision, torch.device("cpu"))
         self.scaler = LossScaler() if self.precision.scaled else None
@@ -324,9 +332,9 @@ class ReferenceTrainer:
         chunk's mean loss is weighted by its share of the batch (1 / A), so the summed gradient is
         the whole batch's mean-loss gradient; norms, clipping and the step then run once.
         """
-        set_lr(self.optimizer, self.cfg.optimizer.lr * lr_factor(
-            self.global_step * self.cfg.data.batch_size / self.total_samples, self.cfg.optimizer
-        ))
+        self.lr = self.cfg.optimizer.lr * lr_factor(
+            self.global_step * self.cfg.data.batch_size / self.total_samples, self.cfg.optimizer)
+        set_lr(self.optimizer, self.lr)
         self.optimizer.zero_grad(set_to_none=True)
         parts = accumulation_chunks(len(batch), self.cfg.optimizer.accumulation_steps)
         loss: torch.Tensor | float = 0.0
@@ -394,10 +402,22 @@ class ReferenceTrainer:
         steps = [self.sampler.step_indices(epoch, s) for s in range(self.sampler.steps_per_epoch)]
         losses = []
         t0 = time.perf_counter()
+        mark = t0  # where the next step's wall time starts, for the step reports
         for batch in iterate_batches(self.splits.train, steps, cfg.data.num_workers):
             if cfg.freeze.interval == "steps" and self.global_step % cfg.freeze.interval_steps == 0:
                 transition += self.decide(self.global_step // cfg.freeze.interval_steps)
             losses.append(self.train_step(batch))
+            if self.step_window is not None:
+                now = time.perf_counter()
+                self.step_window.add(len(batch), now - mark)
+                mark = now
+                if self.step_window.due(self.global_step):
+                    samples_per_s, window_s, window_steps = self.step_window.take()
+                    self.on_step_report(StepRecord(
+                        epoch=epoch, global_step=self.global_step, epoch_step=len(losses),
+                        epoch_steps=len(steps), train_loss=losses[-1],
+                        samples_per_s=samples_per_s, lr=self.lr, num_frozen=self.num_frozen,
+                        window_s=window_s, window_steps=window_steps))
         train_time = time.perf_counter() - t0
         t1 = time.perf_counter()
         metric = float("nan")

@@ -249,6 +249,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         train_loop_config={"run": cfg.model_dump(mode="json"),
                            "controller": controller_name(run_id),
                            "cache": cache_name(run_id) if cache is not None else None,
+                           "run_dir": str(run_dir.resolve()),
                            "resume_from": str(resume_from) if resume_from else None},
         scaling_config=ScalingConfig(
             num_workers=workers,

@@ -14,6 +14,7 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from pt_ray.runtime.reference import build_model_for
 from pt_ray.service.cache import RayStore
 from pt_ray.service.controller import RayController
 from pt_ray.progress import RunProgress
+from pt_ray.steplog import StepReporter, StepWriter
 from pt_ray.summary import format_epoch
 
 __all__ = ["FAULT_ENV", "quiet_ray_train", "train_loop_per_worker"]
@@ -103,13 +105,34 @@ def quiet_ray_train() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
+# Ray Train's controller collects each worker's reports when it polls them, every this many
+# seconds (2 by default; pt-ray's embedded cluster sets 0.25).
+_POLL_ENV, _POLL_DEFAULT_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0
+
+
+def _step_reporter(cfg: RunConfig, rank: int, run_dir: str | None,
+                   report: Callable[[dict[str, Any]], None] | None = None) -> StepReporter:
+    """Where the ``logging.every_steps`` reports go: Ray Train's ``report`` on every rank (a
+    barrier like the epoch's: every rank gets the same records and makes the same calls),
+    at most once per 1.5 poll intervals and at least 1 s apart, so that a report never waits
+    for the controller's poll and its barrier costs little; and with ``logging.tensorboard``
+    every record as live scalars from rank 0 into ``<run_dir>/tensorboard``. ``report``
+    stands in for Ray Train's in tests."""
+    live = rank == 0 and cfg.logging.tensorboard and run_dir is not None
+    poll_s = float(os.environ.get(_POLL_ENV, _POLL_DEFAULT_S))
+    return StepReporter(report or ray.train.report,
+                        StepWriter(Path(run_dir) / "tensorboard") if live else None,
+                        min_gap_s=max(1.5 * poll_s, 1.0))
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
     Args:
         config: ``{"run": RunConfig as a dict, "controller": actor name, "cache": the cache
             actor's name or None, "resume_from": the checkpoint folder of a stopped run to
-            continue, or None}``.
+            continue, or None, "run_dir": the run folder (rank 0 writes the live
+            ``logging.every_steps`` TensorBoard scalars into its ``tensorboard``)}``.
     """
     setup_logging()
     quiet_ray_train()
@@ -138,8 +161,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if fault is not None:
             fault(epoch, step)
 
+    steps = _step_reporter(cfg, rank, config.get("run_dir"))
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, on_step=on_step, store=store)
+                           device=device, on_step=on_step, store=store, on_step_report=steps)
 
     first_epoch = 0
     # Ray Train's latest checkpoint of this run (a restart after a failure), else the stopped
@@ -183,4 +207,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                        "next_decision": nxt,
                                        "controller": controller.state_dict()})
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    steps.close()
     worker.close()
