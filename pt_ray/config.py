@@ -223,6 +223,12 @@ class PipelineConfig(_Section):
     fields to change. With an autoscaler the run waits without limit and says so every 30 s.
     Each of Ray Train's own waits for its workers' placement group (at the start and after a
     failure) is bounded by it too. An embedded cluster is sized for the run and never waits."""
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds any collective or point-to-point call between workers may wait (every process
+    group: WORLD and the pipeline and data-parallel groups), and any wait for the controller's
+    next plan: a peer that died or stopped answering fails the run's attempt within this
+    bound, and Ray Train restarts the worker group from the latest checkpoint
+    (``max_failures``). Raise it when a single step or evaluation can take longer."""
     use_gpu: bool | Literal["auto"] = "auto"
     """Train on GPUs (one per worker, NCCL for CUDA tensors, gloo beside it for CPU ones):
     ``true`` fails before any worker starts when the cluster has fewer than

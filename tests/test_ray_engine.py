@@ -14,10 +14,10 @@ from pt_ray.cli import main
 from pt_ray.config import build_config
 from pt_ray.data.base import gather
 from pt_ray.data.registry import build_dataset
+from pt_ray.faults import FAULT_ENV
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers, read_meta
 from pt_ray.runtime.reference import ReferenceTrainer
-from pt_ray.service.worker import FAULT_ENV
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -79,7 +79,7 @@ def test_killed_worker_restarts_from_checkpoint_and_ends_identical(ray_cluster, 
                                                                    reference_params):
     marker = tmp_path / "fault-fired"
     # Rank 1 kills its own process before step 3 of epoch 1 (after the K 2 -> 1 transition).
-    env = {FAULT_ENV: f"1:3:1:{marker}"}
+    env = {FAULT_ENV: f"step:1:3:1:{marker}"}
     cache = {"mode": "on", "block_size": 16}
     result = fit(tiny_config(tmp_path, name="ray-fault", cache=cache), worker_env=env)
     assert marker.exists(), "the fault was never injected"

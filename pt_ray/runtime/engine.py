@@ -43,6 +43,8 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
 
 import numpy as np
 import torch
@@ -52,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pt_ray.config import RunConfig
 from pt_ray.control import cache_policy
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
+from pt_ray.faults import FaultSwitch, kill_self
 from pt_ray.data.sampler import (
     CacheBlocks,
     accumulation_chunks,
@@ -105,6 +108,8 @@ class ElasticWorker:
         store: the activation cache's store (None: the frozen prefix is always recomputed,
             whatever the plans say).
         comm: the run's communication (default: built for ``device`` over WORLD).
+        fault: the fault this rank injects in tests (:mod:`pt_ray.faults`): the engine reaches
+            the ``migration`` and ``checkpoint`` points.
     """
 
     def __init__(
@@ -120,8 +125,10 @@ class ElasticWorker:
         store: ActivationStore | None = None,
         comm: Comm | None = None,
         on_step_report: Callable[[StepRecord], None] | None = None,
+        fault: FaultSwitch | None = None,
     ) -> None:
         self.cfg = cfg
+        self.fault = fault
         self.on_step = on_step
         self.on_step_report = on_step_report
         every = cfg.logging.every_steps
@@ -133,6 +140,9 @@ class ElasticWorker:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.comm = comm or Comm(self.device)
+        # Every process group's bound on a collective or point-to-point wait (WORLD's is set
+        # by whoever formed it: Ray Train's TorchConfig, from the same field).
+        self.timeout = timedelta(seconds=cfg.pipeline.collective_timeout_s)
         self.precision = resolve_precision(cfg.precision, self.device)
         self.scaler = LossScaler() if self.precision.scaled else None
         self._shapes: Shapes | None = None
@@ -197,14 +207,18 @@ class ElasticWorker:
         if self.plan is None:
             states = restored or {}
         else:
-            states = migrate(self.comm, self.modules, self.optimizer, self.plan, plan, self.rank)
+            midway = None
+            if self.fault is not None:
+                midway = partial(self.fault.at, "migration", self._epoch)
+            states = migrate(self.comm, self.modules, self.optimizer, self.plan, plan, self.rank,
+                             midway=midway)
             self._ddp = None  # it holds the data-parallel group destroyed next
             self.topo.destroy()
         for name in frozen_layer_names(plan.num_frozen):
             for p in self.modules[name].parameters():
                 p.requires_grad_(False)
                 p.grad = None
-        self.topo = Topology.build(plan)
+        self.topo = Topology.build(plan, timeout=self.timeout)
         stage = self.topo.stage
         cached = plan.cache and self.prefix is not None and stage == 0 and plan.num_frozen > 0
         self.stage = StageModule(self.adapter, plan, stage, state_inputs=cached,
@@ -667,7 +681,10 @@ class ElasticWorker:
             layers[name] = entry
         if self.primary_layers():
             layers["__norms__"] = self.norms.state_dict()
-        write_shard(directory, self.rank, layers)
+        path = write_shard(directory, self.rank, layers)
+        if self.fault is not None and self.fault.due("checkpoint", self.next_epoch - 1):
+            path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+            kill_self()  # half of the shard written
 
     def checkpoint_meta(self, epoch: int) -> dict:
         """Run-level state after ``epoch`` (rank 0 writes it beside the shards)."""

@@ -11,6 +11,8 @@ tensors on the run's communication device (the state's keys as codes), never pic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -72,6 +74,7 @@ def migrate(
     old: Plan,
     new: Plan,
     rank: int,
+    midway: Callable[[], None] | None = None,
 ) -> LayerStates:
     """Move parameters and optimizer state from ``old`` to ``new``; call on every rank.
 
@@ -83,6 +86,8 @@ def migrate(
         old: the plan being left.
         new: the plan being entered.
         rank: this rank.
+        midway: called once, after this rank's sends that precede its first receive and before
+            that receive (after all its transfers when it receives nothing): fault injection.
 
     Returns:
         The optimizer state of every layer this rank trains under ``new``: kept from its own
@@ -93,6 +98,9 @@ def migrate(
         if rank not in (t.src, t.dst):
             continue
         params = list(modules[t.layer].parameters())
+        if rank == t.dst and midway is not None:
+            midway()
+            midway = None
         if rank == t.src:
             comm.send([p.detach() for p in params], t.dst)
             if t.with_state:
@@ -104,6 +112,8 @@ def migrate(
                     p.copy_(value)
             if t.with_state:
                 states[t.layer] = _recv_state(comm, t.src, params)
+    if midway is not None:
+        midway()
     for layer in new.stage_layers(new.coords(rank)[1]):
         if layer not in states and is_trainable(new, layer):
             states[layer] = collect_layer_state(optimizer, modules[layer])

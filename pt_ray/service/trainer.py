@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 # without claiming 30% of the machine's memory as Ray's default would.
 _LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
 
+# How often Ray may restart a lost controller actor in one run.
+_CONTROLLER_RESTARTS = 3
+
 # Ray Train 2.60's wait for its worker group's placement group, per attempt (default 60 s); a
 # timed-out attempt is a controller failure, retried up to FailureConfig.controller_failure_limit.
 _TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
@@ -104,6 +107,10 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
             # default); with short epochs that floors an epoch's wall time at the interval.
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"),
+            # A local cluster has no node to be preempted; the watcher's actor only logs a
+            # core_worker error line at every run's start.
+            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get(
+                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0"),
         }},
         **spill,
     )
@@ -230,9 +237,12 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
          autoscaler: bool = False, resume_from: Path | None = None) -> RayRun:
     p = cfg.pipeline
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-    controller = ControllerActor.options(name=controller_name(run_id)).remote(
-        cfg.model_dump(mode="json")
-    )
+    # A lost controller comes back empty (Ray restarts it); the worker group, failing on its
+    # next call, restarts from the latest checkpoint, and rank 0 restores the controller's
+    # state from that checkpoint's metadata.
+    controller = ControllerActor.options(
+        name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
+    ).remote(cfg.model_dump(mode="json"))
     # The cache's owner outlives worker restarts (objects die with whoever put them). Whether
     # the cache may really turn on (the dataset's transform) is the workers' call; the config
     # alone may already rule it out (cache.mode=off, nothing freezes, auto in the plain order).
@@ -258,7 +268,8 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         ),
         # Ray 2.60 passes the backend string to init_process_group unchanged and, for a
         # "cuda:nccl" entry as for "nccl", sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1.
-        torch_config=TorchConfig(backend=choice.backend, timeout_s=600),
+        torch_config=TorchConfig(backend=choice.backend,
+                                 timeout_s=int(-(-p.collective_timeout_s // 1))),
         run_config=TrainRunConfig(
             name=run_id,
             storage_path=str((run_dir / "ray").resolve()),

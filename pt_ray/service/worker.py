@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -26,6 +26,7 @@ import torch
 from pt_ray.logs import setup_logging
 from pt_ray.config import RunConfig
 from pt_ray.data.registry import build_dataset
+from pt_ray.faults import FaultSwitch
 from pt_ray.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, write_meta
 from pt_ray.runtime.engine import ElasticWorker
@@ -36,34 +37,34 @@ from pt_ray.progress import RunProgress
 from pt_ray.steplog import StepReporter, StepWriter
 from pt_ray.summary import format_epoch
 
-__all__ = ["FAULT_ENV", "quiet_ray_train", "train_loop_per_worker"]
+__all__ = ["quiet_ray_train", "train_loop_per_worker"]
 
 logger = logging.getLogger("pt_ray.worker")
 
-FAULT_ENV = "PT_RAY_INJECT_FAULT"
-"""Testing hook: ``"<epoch>:<step>:<rank>:<marker path>"`` makes that rank kill its own process
-(SIGKILL) before that step, once (the marker file records that it fired). It first waits a few
-seconds so that Ray Train's controller, which collects reports when it polls the workers, has
-registered the previous epoch's checkpoint."""
-
+# A fault injected in a test (pt_ray.faults) first waits this long, so that Ray Train's
+# controller, which collects reports when it polls the workers, has registered the previous
+# epoch's checkpoint.
 _FAULT_DELAY_S = 4.0
 
 
-def _fault_hook(rank: int):
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    epoch, step, target, marker = spec.split(":", 3)
-    if int(target) != rank:
+def _worker_faults(fault: FaultSwitch | None, controller_name: str):
+    """The ``step``, ``controller`` and ``hang`` points, reached before each step."""
+    if fault is None:
         return None
 
-    def hook(e: int, s: int) -> None:
-        if (e, s) == (int(epoch), int(step)) and not Path(marker).exists():
-            time.sleep(_FAULT_DELAY_S)
-            Path(marker).write_text(f"rank {rank} killed at epoch {e} step {s}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
+    def kill_controller() -> None:
+        ray.kill(ray.get_actor(controller_name), no_restart=False)
 
-    return hook
+    def hang() -> None:
+        while True:  # until Ray Train ends this process with the rest of the group
+            time.sleep(60)
+
+    def at_step(epoch: int, step: int) -> None:
+        fault.at("step", epoch, step)
+        fault.at("controller", epoch, step, kill_controller)
+        fault.at("hang", epoch, step, hang)
+
+    return at_step
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -142,7 +143,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
     adapter = build_model_for(cfg, splits)
-    controller = RayController(config["controller"])
+    controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s)
     device = _device(cfg)
     controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
                      adapter.metric_name, _hardware(cfg, device, rank),
@@ -154,16 +155,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         enabled=rank == 0 and cfg.logging.progress != "off",
         mode="auto" if cfg.logging.progress == "off" else cfg.logging.progress,
     )
-    fault = _fault_hook(rank)
+    fault = FaultSwitch.from_env(rank, delay_s=_FAULT_DELAY_S)
+    at_step = _worker_faults(fault, config["controller"])
 
     def on_step(epoch: int, step: int) -> None:
         progress(epoch, step)
-        if fault is not None:
-            fault(epoch, step)
+        if at_step is not None:
+            at_step(epoch, step)
 
     steps = _step_reporter(cfg, rank, config.get("run_dir"))
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, on_step=on_step, store=store, on_step_report=steps)
+                           device=device, on_step=on_step, store=store, on_step_report=steps,
+                           fault=fault)
 
     first_epoch = 0
     # Ray Train's latest checkpoint of this run (a restart after a failure), else the stopped

@@ -1,0 +1,98 @@
+"""Fault injection for tests: one environment variable names where in a run a rank fails.
+
+``PT_RAY_FAULT="<point>:<epoch>:<step>:<rank>:<marker path>"`` makes rank ``<rank>`` fail at
+``<point>`` of epoch ``<epoch>`` (from 0), once: the marker file records that the fault fired, so
+the restarted run goes through. ``<step>`` is the epoch's step for step points and ignored by
+the others. The points:
+
+- ``step``: the rank kills its own process (SIGKILL) before that step.
+- ``migration``: the rank kills itself in the middle of the transition that opens the epoch,
+  after it has sent its layers' state and before it has received any (other ranks wait in a
+  point-to-point call).
+- ``checkpoint``: the rank kills itself while writing its checkpoint shard after the epoch,
+  half of the file written.
+- ``controller``: the rank kills the controller actor before that step (Ray restarts the actor
+  empty; the worker group restarts from the checkpoint and restores its state).
+- ``hang``: the rank stops answering before that step (sleeps while its peers wait inside a
+  collective) until its process is ended.
+
+Every point except ``step``, ``controller`` and ``hang`` is reached from the torch runtime,
+which calls :meth:`FaultSwitch.at` (a no-op without the variable).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["FAULT_ENV", "POINTS", "FaultSwitch", "kill_self"]
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV = "PT_RAY_FAULT"
+
+POINTS = ("step", "migration", "checkpoint", "controller", "hang")
+
+
+def kill_self() -> None:
+    """End this process at once, as a lost machine would (no cleanup, no goodbye)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class FaultSwitch:
+    """The fault this rank injects, if any (see the module docstring)."""
+
+    point: str
+    epoch: int
+    step: int
+    marker: Path
+    delay_s: float = 0.0
+
+    @classmethod
+    def from_env(cls, rank: int, delay_s: float = 0.0,
+                 env: dict[str, str] | None = None) -> FaultSwitch | None:
+        """This rank's fault from ``PT_RAY_FAULT`` (None when unset or for another rank);
+        ``delay_s``: wait this long before the fault fires (e.g. for Ray Train to register
+        the previous checkpoint).
+
+        Raises:
+            ValueError: the variable is malformed or names an unknown point.
+        """
+        spec = (os.environ if env is None else env).get(FAULT_ENV)
+        if not spec:
+            return None
+        try:
+            point, epoch, step, target, marker = spec.split(":", 4)
+            epoch_i, step_i, target_i = int(epoch), int(step), int(target)
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected "
+                             "<point>:<epoch>:<step>:<rank>:<marker path>") from None
+        if point not in POINTS:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: unknown point {point!r}; "
+                             f"choose one of {', '.join(POINTS)}")
+        if target_i != rank:
+            return None
+        return cls(point, epoch_i, step_i, Path(marker), delay_s)
+
+    def due(self, point: str, epoch: int, step: int = 0) -> bool:
+        """Whether the fault fires here (and has not fired yet); marks it fired if so."""
+        if point != self.point or epoch != self.epoch or self.marker.exists():
+            return False
+        if point in ("step", "controller", "hang") and step != self.step:
+            return False
+        time.sleep(self.delay_s)
+        self.marker.write_text(f"{point} fault at epoch {epoch} step {step} (pid {os.getpid()})\n")
+        logger.warning("injecting the %s fault at epoch %d step %d", point, epoch, step)
+        return True
+
+    def at(self, point: str, epoch: int, step: int = 0,
+           action: Callable[[], None] = kill_self) -> None:
+        """Run ``action`` (by default: kill this process) when the fault is due here."""
+        if self.due(point, epoch, step):
+            action()

@@ -1,0 +1,102 @@
+"""Faults at the worst moments, injected by name (``pt_ray.faults``): each run either recovers
+to the state a fault-free run reaches (the reference trainer's parameters, within 1e-4) or
+stops with a clear error, and none can wait forever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pt_ray.api import fit
+from pt_ray.faults import FAULT_ENV, FaultSwitch
+from pt_ray.runtime.checkpoint import damage
+from test_ray_engine import max_difference, reference_params, tiny_config  # noqa: F401
+
+
+@pytest.mark.unit
+def test_the_switch_fires_once_at_its_point_for_its_rank(tmp_path):
+    marker = tmp_path / "fired"
+    spec = {FAULT_ENV: f"hang:1:3:1:{marker}"}
+    assert FaultSwitch.from_env(0, env=spec) is None  # another rank's fault
+    assert FaultSwitch.from_env(1, env={}) is None
+    switch = FaultSwitch.from_env(1, env=spec)
+    assert not switch.due("step", 1, 3) and not switch.due("hang", 1, 2)
+    assert not switch.due("hang", 0, 3)
+    assert switch.due("hang", 1, 3) and marker.exists()
+    assert not switch.due("hang", 1, 3)  # once: the restarted run goes through
+
+    # Points without a step ignore it.
+    switch = FaultSwitch.from_env(0, env={FAULT_ENV: f"migration:2:0:0:{tmp_path / 'm'}"})
+    assert switch.due("migration", 2, 5)
+
+    with pytest.raises(ValueError, match="unknown point 'migrate'; choose one of step, "):
+        FaultSwitch.from_env(0, env={FAULT_ENV: f"migrate:1:0:0:{marker}"})
+    with pytest.raises(ValueError, match="expected <point>:<epoch>:<step>:<rank>:<marker path>"):
+        FaultSwitch.from_env(0, env={FAULT_ENV: "step:1:0"})
+
+
+def _run_with_fault(tmp_path: Path, name: str, spec: str, **extra):
+    marker = tmp_path / "fired"
+    result = fit(tiny_config(tmp_path, name=name, **extra),
+                 worker_env={FAULT_ENV: f"{spec}:{marker}"})
+    assert marker.exists(), "the fault was never injected"
+    return result
+
+
+def _checkpoints(tmp_path: Path, name: str) -> list[Path]:
+    return [p for p in (tmp_path / name / "ray").glob("*/checkpoint_*") if p.is_dir()]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_rank_killed_during_migration_recovers_from_the_checkpoint_before_it(
+        ray_cluster, tmp_path, reference_params):
+    # Rank 1 dies in the transition that opens epoch 2 (3 of 4 blocks frozen, K 1, R 2: the
+    # layers move to it), after its sends and before its receives.
+    result = _run_with_fault(tmp_path, "fault-migration", "migration:2:0:1")
+    assert result.restarts == 1
+    assert [r.epoch for r in result.timeline] == [0, 1, 2]
+    assert result.timeline[2].num_frozen == 3
+    assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_rank_killed_while_writing_its_checkpoint_never_leaves_a_half_written_one(
+        ray_cluster, tmp_path, reference_params):
+    # Rank 1 dies with half of its shard after epoch 1 written: that checkpoint never reaches
+    # storage, and the restart goes on from the one after epoch 0.
+    result = _run_with_fault(tmp_path, "fault-checkpoint", "checkpoint:1:0:1")
+    assert result.restarts == 1
+    assert [r.epoch for r in result.timeline] == [0, 1, 2]
+    assert all(damage(p) is None for p in _checkpoints(tmp_path, "fault-checkpoint"))
+    assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_controller_killed_mid_run_is_restarted_and_rebuilt_from_the_checkpoint(
+        ray_cluster, tmp_path, reference_params):
+    # Rank 0 kills the controller actor before step 3 of epoch 1; Ray restarts it empty and the
+    # worker group's restart restores its timeline, decisions, freeze state and plans.
+    result = _run_with_fault(tmp_path, "fault-controller", "controller:1:3:0")
+    assert [r.epoch for r in result.timeline] == [0, 1, 2]
+    assert [r.num_frozen for r in result.timeline] == [0, 2, 3]
+    assert len(result.decisions) >= 2
+    assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_peer_that_stops_answering_inside_a_collective_fails_within_the_timeout_then_recovers(
+        ray_cluster, tmp_path, reference_params):
+    # Rank 1 stops before step 3 of epoch 1 while rank 0 waits for it inside a collective: the
+    # wait ends after pipeline.collective_timeout_s, Ray Train ends the group (the hung rank
+    # too) and restarts it from the checkpoint after epoch 0.
+    result = _run_with_fault(tmp_path, "fault-hang", "hang:1:3:1",
+                             pipeline={"num_workers": 2, "schedule": "1f1b", "policy": "paper",
+                                       "collective_timeout_s": 10})
+    assert result.restarts == 1
+    assert [r.epoch for r in result.timeline] == [0, 1, 2]
+    assert max_difference(result.checkpoint, reference_params) <= 1e-4
