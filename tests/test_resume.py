@@ -21,7 +21,7 @@ from pt_ray.config import ConfigError, build_config
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.resume import resume_point
 from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, read_meta, \
-    write_meta, write_shard
+    usable_checkpoint, write_meta, write_shard
 from pt_ray.runtime.reference import ReferenceTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,6 +167,22 @@ def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, 
         chosen = latest_checkpoint([older, cut, missing, changed, no_meta])
     assert chosen == older
     assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 4
+
+
+@pytest.mark.unit
+def test_a_restart_given_a_damaged_checkpoint_takes_the_one_before_it(tmp_path, caplog):
+    run = tmp_path / "ray" / "run-1"
+    older = _checkpoint(run / "checkpoint_2026-11-30_10-00-00.000000", 0)
+    newer = _checkpoint(run / "checkpoint_2026-11-30_10-05-00.000000", 1)
+    assert usable_checkpoint(newer) == newer
+    (newer / "shard-rank1.json").unlink()
+    with caplog.at_level("WARNING", logger="pt_ray.runtime.checkpoint"):
+        assert usable_checkpoint(newer) == older
+    assert "shard-rank1.json missing or unreadable" in caplog.text
+    (older / "meta.json").unlink()
+    with pytest.raises(FileNotFoundError, match="is damaged \\(shard-rank1.json missing or "
+                       "unreadable\\) and no complete checkpoint precedes it"):
+        usable_checkpoint(newer)
 
 
 @pytest.mark.unit

@@ -25,7 +25,7 @@ import torch
 from pt_ray.models.base import ModelAdapter, layer_module, layer_names
 
 __all__ = ["META", "damage", "latest_checkpoint", "load_layers", "load_parameters", "read_meta",
-           "write_meta", "write_shard"]
+           "usable_checkpoint", "write_meta", "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,28 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: not a pt-ray checkpoint directory")
     return json.loads(path.read_text())
+
+
+def usable_checkpoint(directory: Path) -> Path:
+    """``directory`` when its checkpoint is complete, else the newest complete one before it
+    in the same run folder, with a warning that says why.
+
+    Raises:
+        FileNotFoundError: it is damaged and no complete checkpoint precedes it.
+    """
+    directory = Path(directory)
+    why = damage(directory)
+    if why is None:
+        return directory
+    older = [p for p in directory.parent.glob("checkpoint_*")
+             if p.is_dir() and p.name < directory.name]
+    logger.warning("checkpoint %s is damaged (%s); trying the one before it", directory, why)
+    fallback = latest_checkpoint(older)
+    if fallback is None:
+        raise FileNotFoundError(f"checkpoint {directory} is damaged ({why}) and no complete "
+                                "checkpoint precedes it")
+    logger.warning("restoring from %s instead", fallback)
+    return fallback
 
 
 def load_layers(

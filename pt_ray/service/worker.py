@@ -28,7 +28,7 @@ from pt_ray.config import RunConfig
 from pt_ray.data.registry import build_dataset
 from pt_ray.faults import FaultSwitch
 from pt_ray.hwprofile import HardwareProfile, profile_for_gpu
-from pt_ray.runtime.checkpoint import read_meta, write_meta
+from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
 from pt_ray.runtime.engine import ElasticWorker
 from pt_ray.runtime.reference import build_model_for
 from pt_ray.service.cache import RayStore
@@ -179,12 +179,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         worker.start()
     else:
         with checkpoint.as_directory() as directory:
-            meta = read_meta(Path(directory))
+            # The same on every rank: a damaged checkpoint gives way to the one before it.
+            directory = usable_checkpoint(Path(directory))
+            meta = read_meta(directory)
             if rank == 0:
                 controller.resume(meta["controller"], meta["next_decision"], restart)
             worker.comm.barrier()
             plan = controller.plan_for(meta["next_decision"])
-            first_epoch = worker.restore(Path(directory), plan)
+            first_epoch = worker.restore(directory, plan)
         if rank == 0:
             logger.info("resumed after epoch %d on %d workers: %s", first_epoch - 1, world,
                         plan.describe())
