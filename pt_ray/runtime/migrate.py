@@ -1,9 +1,10 @@
 """State migration between plans: parameters and optimizer state follow their layers.
 
 At a transition every rank walks the same list of transfers (``plan.transfers``): the rank that
-holds a layer's latest state (replica 0's holder under the old plan) sends the layer's parameters
-and, for layers that keep training, their optimizer state (moments and step counts) to each rank
-that needs it under the new plan. Nothing is re-initialised; the head and the optimizer's
+holds a layer's latest state (replica 0's holder under the old plan) sends the layer's whole
+``state_dict`` (parameters and persistent buffers, e.g. running statistics) and, for layers that
+keep training, their optimizer state (moments and step counts) to each rank that needs it under
+the new plan. Nothing is re-initialised; the head and the optimizer's
 moments carry over (the 2021 code lost both). Transfers are point-to-point in one global order,
 so every rank meets its partner at the same transfer and none can deadlock. Everything moves as
 tensors on the run's communication device (the state's keys as codes), never pickled.
@@ -67,6 +68,12 @@ def _recv_state(comm: Comm, src: int, params: list[torch.nn.Parameter]) -> list[
     return out
 
 
+def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors of ``module``'s ``state_dict`` (sharing storage with its parameters and
+    buffers), in the order every rank's copy of the same layer lists them."""
+    return [v for v in module.state_dict(keep_vars=True).values() if torch.is_tensor(v)]
+
+
 def migrate(
     comm: Comm,
     modules: dict[str, nn.Module],
@@ -98,18 +105,19 @@ def migrate(
         if rank not in (t.src, t.dst):
             continue
         params = list(modules[t.layer].parameters())
+        tensors = _state_tensors(modules[t.layer])
         if rank == t.dst and midway is not None:
             midway()
             midway = None
         if rank == t.src:
-            comm.send([p.detach() for p in params], t.dst)
+            comm.send([v.detach() for v in tensors], t.dst)
             if t.with_state:
                 _send_state(comm, collect_layer_state(optimizer, modules[t.layer]), t.dst)
         else:
             received = comm.recv(t.src)
             with torch.no_grad():
-                for p, value in zip(params, received, strict=True):
-                    p.copy_(value)
+                for v, value in zip(tensors, received, strict=True):
+                    v.copy_(value)
             if t.with_state:
                 states[t.layer] = _recv_state(comm, t.src, params)
     if midway is not None:
