@@ -78,9 +78,11 @@ def test_rank_killed_while_writing_its_checkpoint_never_leaves_a_half_written_on
 @pytest.mark.timeout(300)
 def test_controller_killed_mid_run_is_restarted_and_rebuilt_from_the_checkpoint(
         ray_cluster, tmp_path, reference_params):
-    # Rank 0 kills the controller actor before step 3 of epoch 1; Ray restarts it empty and the
-    # worker group's restart restores its timeline, decisions, freeze state and plans.
+    # Rank 0 kills the controller actor before step 3 of epoch 1; Ray restarts it empty, it
+    # restores its timeline, decisions, freeze state and plans from the checkpoint after epoch
+    # 0 when the workers find it again, and they go on: no worker-group restart.
     result = _run_with_fault(tmp_path, "fault-controller", "controller:1:3:0")
+    assert result.restarts == 0
     assert [r.epoch for r in result.timeline] == [0, 1, 2]
     assert [r.num_frozen for r in result.timeline] == [0, 2, 3]
     assert len(result.decisions) >= 2

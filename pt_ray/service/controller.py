@@ -4,13 +4,22 @@ A thin asynchronous shell around :class:`pt_ray.control.ControlState`: it adds t
 ``plan_for`` every rank calls at a decision point (it returns once every rank's inputs are in, so
 all switch at the same step) and outlives worker restarts, because the driver owns it, not
 Ray Train's worker group.
+
+A controller that is lost comes back: Ray restarts the actor (``max_restarts``), empty, and the
+first worker whose call fails finds it again and has it restore itself from the run's latest
+complete checkpoint (:meth:`ControllerActor.recover`); each worker then replays what it had
+sent since that checkpoint (rank 0's epoch record, its norms) and retries its call, so training
+goes on without a worker-group restart. Lost before the first checkpoint, or not back within
+``pipeline.collective_timeout_s``, the call fails and Ray Train restarts the worker group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -20,6 +29,7 @@ from pt_ray.config import RunConfig
 from pt_ray.control import ControlState, build_control_state
 from pt_ray.hwprofile import HardwareProfile
 from pt_ray.plan import CostTable, Plan
+from pt_ray.runtime.checkpoint import latest_checkpoint, read_meta
 from pt_ray.summary import EpochRecord
 
 __all__ = ["ControllerActor", "RayController", "controller_name"]
@@ -38,15 +48,20 @@ class ControllerActor:
 
     Args:
         config: the run configuration (as a dict, validated again here).
+        checkpoints: the folder Ray Train writes the run's checkpoints into, where a restarted
+            actor finds the state to restore (None: it cannot restore itself).
     """
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], checkpoints: str | None = None) -> None:
         setup_logging()
         self.cfg = RunConfig.model_validate(config)
+        self.checkpoints = Path(checkpoints) if checkpoints else None
         self.state: ControlState | None = None
         self.metric_name = "accuracy"
         self.restarts = 0
         self.changed = asyncio.Condition()
+        # Set once a restarted actor has restored itself: the epoch its checkpoint holds.
+        self.recovered_after: int | None = None
 
     async def setup(
         self,
@@ -66,6 +81,35 @@ class ControllerActor:
         if self.state is None or self.state.num_workers != num_workers:
             self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch,
                                              hardware, deterministic_transform)
+
+    async def recover(self, setup_args: tuple) -> int:
+        """Restore a restarted controller from the run's latest complete checkpoint (the first
+        caller restores; later ones get the same answer). Returns the last epoch the
+        checkpoint holds: what a worker sent about later epochs must be sent again.
+
+        Raises:
+            RuntimeError: this actor holds state it did not restore (a worker group restarted
+                meanwhile and set it up again), or no complete checkpoint exists (the
+                caller's worker group then restarts, from the start if need be).
+        """
+        if self.recovered_after is not None:
+            return self.recovered_after
+        if self.state is not None:
+            raise RuntimeError("the controller was set up again since it restarted: "
+                               "nothing to recover")
+        folders = [p for p in self.checkpoints.glob("checkpoint_*") if p.is_dir()] \
+            if self.checkpoints is not None else []
+        checkpoint = latest_checkpoint(folders)
+        if checkpoint is None:
+            raise RuntimeError("the controller was lost before the run's first checkpoint")
+        meta = read_meta(checkpoint)
+        await self.setup(*setup_args)
+        self.state.resume(meta["controller"], meta["next_decision"])
+        self.recovered_after = int(meta["epoch"])
+        logger.warning("controller restarted: state restored from %s (after epoch %d)",
+                       checkpoint.name, self.recovered_after + 1)
+        await self._notify()
+        return self.recovered_after
 
     async def submit_costs(self, rank: int, costs: CostTable) -> None:
         self.state.submit_costs(rank, costs)
@@ -116,14 +160,51 @@ class ControllerActor:
 
 
 class RayController:
-    """The worker-side handle: the engine's ``Controller`` protocol over the named actor."""
+    """The worker-side handle: the engine's ``Controller`` protocol over the named actor.
+
+    Args:
+        name: the actor's name.
+        timeout_s: the longest any call may wait, and the longest a lost controller may take
+            to come back (``pipeline.collective_timeout_s``).
+    """
 
     def __init__(self, name: str, timeout_s: float = 3600.0) -> None:
         self.actor = ray.get_actor(name)
         self.timeout_s = timeout_s
+        self._setup_args: tuple | None = None
+        self._record: EpochRecord | None = None  # rank 0's last record
+        self._norms: tuple[int, int, dict[int, float]] | None = None  # the last submission
 
     def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as err:
+            logger.warning("controller lost during %s (%s); waiting for it to come back",
+                           method, type(err).__name__)
+        self._recover()
+        if method in ("record", "submit_norms"):
+            return None  # sent again by the recovery
         return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+
+    def _recover(self) -> None:
+        """Wait for the restarted controller, have it restore itself, and send again what it
+        lost (rank 0's record before the norms, as in a fault-free epoch)."""
+        if self._setup_args is None:
+            raise RuntimeError("the controller was lost before this worker set it up")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                after = ray.get(self.actor.recover.remote(self._setup_args),
+                                timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        if self._record is not None and self._record.epoch > after:
+            ray.get(self.actor.record.remote(self._record), timeout=self.timeout_s)
+        if self._norms is not None:
+            ray.get(self.actor.submit_norms.remote(*self._norms), timeout=self.timeout_s)
 
     def setup(
         self,
@@ -134,8 +215,9 @@ class RayController:
         hardware: str | HardwareProfile,
         deterministic_transform: bool = True,
     ) -> None:
-        self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name, hardware,
-                   deterministic_transform)
+        self._setup_args = (num_layers, num_workers, steps_per_epoch, metric_name, hardware,
+                            deterministic_transform)
+        self._call("setup", *self._setup_args)
 
     def submit_costs(self, rank: int, costs: CostTable) -> None:
         self._call("submit_costs", rank, costs)
@@ -144,10 +226,12 @@ class RayController:
         return self._call("plan_for", decision)
 
     def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
+        self._norms = (decision, rank, norms)
         self._call("submit_norms", decision, rank, norms)
 
     def record(self, rank: int, rec: EpochRecord) -> None:
         if rank == 0:  # every rank holds the same record
+            self._record = rec
             self._call("record", rec)
 
     def state_dict(self) -> dict[str, Any]:

@@ -237,12 +237,11 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
          autoscaler: bool = False, resume_from: Path | None = None) -> RayRun:
     p = cfg.pipeline
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-    # A lost controller comes back empty (Ray restarts it); the worker group, failing on its
-    # next call, restarts from the latest checkpoint, and rank 0 restores the controller's
-    # state from that checkpoint's metadata.
+    # A lost controller comes back (Ray restarts it) and restores itself from the latest
+    # checkpoint in the run's storage folder when the workers find it again.
     controller = ControllerActor.options(
         name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
-    ).remote(cfg.model_dump(mode="json"))
+    ).remote(cfg.model_dump(mode="json"), str((run_dir / "ray" / run_id).resolve()))
     # The cache's owner outlives worker restarts (objects die with whoever put them). Whether
     # the cache may really turn on (the dataset's transform) is the workers' call; the config
     # alone may already rule it out (cache.mode=off, nothing freezes, auto in the plain order).
