@@ -22,7 +22,7 @@ from pt_ray.config import ConfigError, RunConfig, load_config
 from pt_ray.freeze import build_freeze_policy
 from pt_ray.partition import Partition, partition
 from pt_ray.plan import CostTable, LayerCost, Plan, Planner
-from pt_ray.summary import EpochRecord, ideal_speedup, read_summary
+from pt_ray.summary import EpochRecord, RankMemory, ideal_speedup, read_summary
 
 __all__ = [
     "ActivationStore",
@@ -34,6 +34,7 @@ __all__ = [
     "Partition",
     "Plan",
     "Planner",
+    "RankMemory",
     "ReferenceTrainer",
     "Result",
     "SweepResult",

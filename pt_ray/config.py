@@ -240,6 +240,15 @@ class PipelineConfig(_Section):
     blocks still move onto stage 0 (and may be cached) and the active ones are re-balanced over
     the same K stages, but no device is freed. At most L - K blocks then freeze, so that every
     stage keeps a trainable block (``freeze.max_frozen`` is capped, and the log says so)."""
+    activation_checkpointing: bool = False
+    """Recompute each trainable block's forward in its backward instead of keeping its
+    activations (``torch.utils.checkpoint``, non-reentrant; the random state is restored, so
+    dropout draws the same masks). A block then keeps only its input per micro-batch in
+    flight, plus one block's activations while it is recomputed; the price is one more forward
+    of every trainable block per step. Losses and parameters equal a run without it. Frozen
+    blocks are never checkpointed (they run under ``no_grad`` and keep nothing for backward),
+    nor are the embedding and the head. The planners' memory estimate and step-time model
+    count both effects."""
 
     @model_validator(mode="after")
     def _k_divides_n(self) -> PipelineConfig:

@@ -220,12 +220,33 @@ class ControlState:
     def record(self, rec: EpochRecord) -> None:
         """Append (or replace, after a restart) one epoch of the timeline, and show it to the
         accuracy guard. Every rank's records must arrive before its norms for the next
-        decision, so that the guard's verdict takes effect there."""
+        decision, so that the guard's verdict takes effect there. The record's memory gets
+        the planner's estimate per rank (:meth:`memory_estimates`)."""
+        rec = self.memory_estimates(rec)
         self.timeline = [r for r in self.timeline if r.epoch != rec.epoch] + [rec]
         self.timeline.sort(key=lambda r: r.epoch)
         verdict = self.guard.observe(rec.epoch, rec.num_frozen, rec.eval_metric)
         if verdict is not None:
             logger.warning("accuracy guard: %s", verdict.describe())
+
+    def memory_estimates(self, rec: EpochRecord) -> EpochRecord:
+        """``rec`` with each rank's ``estimate_bytes``: the planner's predicted peak for the
+        rank's stage under the plan that trained the epoch.
+
+        That plan is the latest decided: the decision after it needs norms that every rank
+        submits after its record. A record whose layout is not that plan's (none should be)
+        keeps its estimates at 0 rather than get another plan's.
+        """
+        if not rec.memory or self.planner is None or not self.plans:
+            return rec
+        plan = self.plans[max(self.plans)]
+        layout = (plan.num_frozen, plan.pipeline_length, plan.num_replicas, plan.num_microbatches)
+        if layout != (rec.num_frozen, rec.pipeline_length, rec.num_replicas,
+                      rec.num_microbatches):
+            return rec
+        estimate = self.planner.plan_memory(plan)
+        return replace(rec, memory=tuple(replace(m, estimate_bytes=float(estimate[m.stage]))
+                                         for m in rec.memory))
 
     # -- outputs -------------------------------------------------------------------------------
 
@@ -326,14 +347,14 @@ class ControlState:
                             "stage_loads": tuple(p["stage_loads"])})
             for d, p in state["plans"].items()
         }
-        self.timeline = [EpochRecord(**r) for r in state["timeline"]]
+        self.timeline = [EpochRecord.from_dict(r) for r in state["timeline"]]
         self.decisions = list(state["decisions"])
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
             self.policy.load_state_dict(state["policy"])
         if state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
         self.rollbacks = list(state.get("rollbacks", []))
-        self.discarded = [EpochRecord(**r) for r in state.get("discarded", [])]
+        self.discarded = [EpochRecord.from_dict(r) for r in state.get("discarded", [])]
 
 
 def start_pipeline_length(cfg: RunConfig, num_layers: int, num_workers: int) -> int:
@@ -413,7 +434,8 @@ def build_control_state(
                            memory_budget=budget,
                            cache_from=_paper_cache_from(cfg, cache.mode, costs, hw),
                            elastic=p.elastic,
-                           accumulation_steps=cfg.optimizer.accumulation_steps)
+                           accumulation_steps=cfg.optimizer.accumulation_steps,
+                           activation_checkpointing=p.activation_checkpointing)
         # pipeline_length=auto: the start K the cost model predicts fastest among those whose
         # stages fit a device (a model that fits one device need not start as a pipeline).
         choose_start = p.pipeline_length == "auto" and p.elastic
@@ -424,6 +446,7 @@ def build_control_state(
             num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
             cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
             accumulation_steps=cfg.optimizer.accumulation_steps,
+            activation_checkpointing=p.activation_checkpointing,
         )
         if budget is None:
             # By default (as the paper) a stage may hold what the largest stage held at the start.

@@ -8,7 +8,8 @@ optimizer:
 
 1. stage ``k`` per micro-batch: forward (and backward, if it trains anything) of its blocks, the
    embedding on stage 0 while it trains, the head and loss on the last stage, plus the
-   profile's fixed per-micro-batch overhead for each;
+   profile's fixed per-micro-batch overhead for each; with activation checkpointing each
+   block's backward also runs its forward again (:meth:`pt_ray.plan.CostTable.with_recompute`);
 2. the frozen prefix (embedding + blocks ``0..n-1``, forward only) runs on stage 0: per
    micro-batch inside the schedule (pt-ray's runtime) or over the whole batch before the
    pipeline starts (the 2021 code's ``pipe(frozen(x))``); with the cache it is a read of the
@@ -249,6 +250,8 @@ def step_time(
     if passes < 1:
         raise ValueError(f"passes={passes} must be at least 1")
     k, r, n, m = plan.pipeline_length, plan.num_replicas, plan.num_frozen, plan.num_microbatches
+    if plan.activation_checkpointing:
+        costs = costs.with_recompute()
     scale = batch_per_replica / m / costs.samples
     o = runtime.overhead(hw)
     fwd, bwd, grads = [], [], []

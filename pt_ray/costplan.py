@@ -66,6 +66,10 @@ class CostModelPlanner:
             step.
         elastic: False pins K (and R) at the initial plan's as blocks freeze; M and the cache
             are still chosen by prediction (see :class:`pt_ray.plan.Planner`).
+        activation_checkpointing: plans recompute every trainable block's forward in its
+            backward: the partition and the predicted step weigh that forward
+            (:meth:`pt_ray.plan.CostTable.with_recompute`), and :meth:`stage_memory` counts
+            what a checkpointed block keeps.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class CostModelPlanner:
         accumulate: bool = False,
         elastic: bool = True,
         accumulation_steps: int = 1,
+        activation_checkpointing: bool = False,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps} must be at least 1")
@@ -102,7 +107,8 @@ class CostModelPlanner:
         if cache not in ("auto", "on", "off"):
             raise ValueError(f"cache={cache!r} is not one of 'auto', 'on', 'off'")
         self.num_workers = num_workers
-        self.costs = costs
+        self.activation_checkpointing = activation_checkpointing
+        self.costs = costs.with_recompute() if activation_checkpointing else costs
         self.hw = hw
         self.batch_size = batch_size
         self.batch_policy = batch_policy
@@ -161,15 +167,27 @@ class CostModelPlanner:
     def stage_memory(self, plan: Plan) -> list[float]:
         """Predicted peak bytes per stage: active parameters with their gradient and optimizer
         state, the frozen prefix's weights on stage 0, and the activations kept for backward
-        (GPipe keeps all M micro-batches; 1F1B at most ``K - stage``)."""
+        (GPipe keeps all M micro-batches; 1F1B at most ``K - stage``).
+
+        With ``plan.activation_checkpointing`` a trainable block keeps only its input per
+        micro-batch in flight (one output's worth, instead of ``activation_memory_factor``
+        of them), and the backward holds one block's activations of one micro-batch at a time
+        while it recomputes them."""
         c, k, m = self.costs, plan.pipeline_length, plan.num_microbatches
         per_mb = self.replica_batch(plan.num_replicas) / m
         mem = []
         for s in range(k):
             held = m if plan.schedule == "gpipe" else min(m, k - s)
             acts = held * per_mb * self.activation_memory_factor
-            total = sum(b.param_bytes * self.optimizer_state_factor + b.activation_bytes * acts
-                        for b in c.blocks[plan.boundaries[s]:plan.boundaries[s + 1]])
+            blocks = c.blocks[plan.boundaries[s]:plan.boundaries[s + 1]]
+            kept = acts
+            if plan.activation_checkpointing:
+                kept = held * per_mb
+            total = sum(b.param_bytes * self.optimizer_state_factor + b.activation_bytes * kept
+                        for b in blocks)
+            if plan.activation_checkpointing and blocks:
+                total += max(b.activation_bytes for b in blocks) * per_mb * (
+                    self.activation_memory_factor)
             if s == 0:
                 frozen = plan.num_frozen > 0
                 total += c.embed.param_bytes * (1 if frozen else self.optimizer_state_factor)
@@ -180,6 +198,11 @@ class CostModelPlanner:
                 total += c.head.activation_bytes * held * per_mb
             mem.append(total)
         return mem
+
+    def plan_memory(self, plan: Plan) -> list[float]:
+        """:meth:`stage_memory`, under the name both planners give the estimate that a run's
+        records set beside the measured memory."""
+        return self.stage_memory(plan)
 
     def predict(self, plan: Plan) -> StepBreakdown:
         """The predicted step of ``plan`` in steady state (cache reads hit at its level)."""
@@ -217,6 +240,7 @@ class CostModelPlanner:
             schedule=self.schedule,
             cache=cache,
             stage_loads=part.loads,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     def _best(self, num_frozen: int, k: int, cache: bool, check_memory: bool = True) -> Plan | None:
@@ -304,6 +328,7 @@ class CostModelPlanner:
             max_microbatches_per_stage=self.max_microbatches_per_stage,
             optimizer_traffic=self.optimizer_traffic, accumulate=self.accumulate,
             accumulation_steps=self.accumulation_steps,
+            activation_checkpointing=self.activation_checkpointing,
         )
         # A new N re-plans K from scratch even when not elastic: the old K may not divide it.
         return replace(planner._choose(prev.num_frozen, num_workers),

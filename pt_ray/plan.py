@@ -14,8 +14,8 @@ Pure module. The planner decides; the runtime executes. Given the frozen-prefix 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pt_ray.partition import Partition, partition
@@ -62,16 +62,28 @@ class CostTable:
         blocks: the L transformer blocks, in order.
         head: final norm, pooling, classifier and the loss.
         samples: micro-batch size the times were measured at.
+        recompute: each block's ``backward_s`` includes one more forward (activation
+            checkpointing: :meth:`with_recompute`).
     """
 
     embed: LayerCost
     blocks: tuple[LayerCost, ...]
     head: LayerCost
     samples: int = 1
+    recompute: bool = False
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
+
+    def with_recompute(self) -> CostTable:
+        """The table under activation checkpointing: a block's backward also runs its forward
+        again (only trainable blocks ever use ``backward_s``; the embedding and the head are
+        not checkpointed). Applying it twice changes nothing."""
+        if self.recompute:
+            return self
+        blocks = tuple(replace(b, backward_s=b.backward_s + b.forward_s) for b in self.blocks)
+        return replace(self, blocks=blocks, recompute=True)
 
     @classmethod
     def from_param_counts(
@@ -114,6 +126,8 @@ class Plan:
         rollback_to: set on the plan the accuracy guard orders after a harmful freeze: the run
             returns to the state it had at the start of this epoch (with this plan's smaller
             frozen prefix) and trains on from there.
+        activation_checkpointing: every trainable block recomputes its forward in its backward
+            (``pipeline.activation_checkpointing``).
     """
 
     generation: int
@@ -127,6 +141,7 @@ class Plan:
     cache: bool = False
     stage_loads: tuple[float, ...] = ()
     rollback_to: int | None = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         k = self.pipeline_length
@@ -174,6 +189,7 @@ class Plan:
             f"g{self.generation}: frozen {self.num_frozen}/{self.num_layers}, "
             f"K {self.pipeline_length} [{stages}], R {self.num_replicas}, "
             f"M {self.num_microbatches}, {self.schedule}, cache {'on' if self.cache else 'off'}"
+            + (", checkpointed" if self.activation_checkpointing else "")
         )
 
 
@@ -237,6 +253,10 @@ class Planner:
             L - K blocks may then freeze, so that every stage keeps a trainable block.
         accumulation_steps: A, passes per optimizer step (``optimizer.accumulation_steps``):
             a pass takes 1 / A of the replica's batch, and M and the memory are sized for it.
+        activation_checkpointing: plans recompute every trainable block's forward in its
+            backward; the partition weighs that forward (:meth:`CostTable.with_recompute`). The
+            memory estimate is unchanged: it already counts one output per sample for each
+            active layer, which is what a checkpointed block keeps.
     """
 
     def __init__(
@@ -255,6 +275,7 @@ class Planner:
         cache_from: int | None = None,
         elastic: bool = True,
         accumulation_steps: int = 1,
+        activation_checkpointing: bool = False,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps} must be at least 1")
@@ -273,7 +294,8 @@ class Planner:
                 f"{[d for d in divisors(num_workers) if d <= costs.num_layers]}"
             )
         self.num_workers = num_workers
-        self.costs = costs
+        self.activation_checkpointing = activation_checkpointing
+        self.costs = costs.with_recompute() if activation_checkpointing else costs
         self.batch_size = batch_size
         self.batch_policy = batch_policy
         self.schedule = schedule
@@ -321,16 +343,27 @@ class Planner:
     def stage_memory(self, part: Partition, num_frozen: int, k: int) -> list[float]:
         """Predicted peak bytes per stage of a partition (parameters, optimizer state, stored
         activations for backward)."""
+        bounds = tuple(num_frozen + b for b in part.boundaries)
+        return self._memory(bounds, num_frozen, k, lambda: self.microbatches_for(
+            k, self.num_workers // k))
+
+    def plan_memory(self, plan: Plan) -> list[float]:
+        """Predicted peak bytes per stage of ``plan``, as :meth:`stage_memory` weighs a plan
+        (what a run's records set beside the measured memory)."""
+        return self._memory(plan.boundaries, plan.num_frozen, plan.pipeline_length,
+                            lambda: plan.num_microbatches)
+
+    def _memory(self, bounds: Sequence[int], num_frozen: int, k: int,
+                microbatches: Callable[[], int]) -> list[float]:
         c = self.costs
         samples = self.replica_batch(self.num_workers // k)
         if self.schedule == "1f1b" and k > 1:
             # 1F1B keeps at most K micro-batches in flight on stage 0.
-            m = self.microbatches_for(k, self.num_workers // k)
+            m = microbatches()
             samples = max(1, samples * min(m, k) // m)
         mem = []
         for s in range(k):
-            lo = num_frozen + part.boundaries[s]
-            hi = num_frozen + part.boundaries[s + 1]
+            lo, hi = bounds[s], bounds[s + 1]
             total = sum(self._layer_memory(b, False, samples) for b in c.blocks[lo:hi])
             if s == 0:
                 total += self._layer_memory(c.embed, num_frozen > 0, samples)
@@ -372,6 +405,7 @@ class Planner:
             schedule=self.schedule,
             cache=self.cached(num_frozen),
             stage_loads=part.loads,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     def initial_plan(self) -> Plan:
@@ -424,6 +458,7 @@ class Planner:
             optimizer_state_factor=self.optimizer_state_factor,
             cache_from=self.cache_from,
             accumulation_steps=self.accumulation_steps,
+            activation_checkpointing=self.activation_checkpointing,
         )
         k = planner.pipeline_length_for(prev.num_frozen, planner.initial_pipeline_length)
         return planner._make(prev.generation + 1, prev.num_frozen, k,

@@ -85,6 +85,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="activation cache (default auto)")
     s.add_argument("--cache-from", type=int, default=3,
                    help="rule planners: cache on from this many frozen blocks (default 3)")
+    s.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each trainable block's forward in its backward "
+                   "(pipeline.activation_checkpointing): less activation memory, one more "
+                   "forward per block and step")
     s.add_argument("--runtime", choices=sorted(RUNTIMES),
                    help="pt-ray (prefix inside the schedule) or 2021 (the 2021 code's "
                    "serial prefix, overheads and cache rate); default pt-ray")
@@ -157,6 +161,7 @@ def _build(args: argparse.Namespace) -> tuple[SimulationResult, dict[str, Any]]:
         cache_from=args.cache_from, runtime=RUNTIMES[opts["runtime"]],
         activation_memory_factor=saved_activation_factor(shape),
         ablations=not args.no_ablations,
+        activation_checkpointing=args.activation_checkpointing,
     )
     return result, {"model": shape, "hardware": hw}
 
@@ -171,7 +176,8 @@ def _table(result: SimulationResult, shape, hw) -> str:
         f"{'s' if nodes > 1 else ''})",
         f"planner {st['planner']}, runtime {st['runtime']}, schedule {st['schedule']}, batch "
         f"{st['batch_size']} {per}, freeze {st['freeze_policy']} (alpha {st['alpha']:.3g}), "
-        f"{st['epochs']} epochs of {st['dataset_size']:,} samples",
+        f"{st['epochs']} epochs of {st['dataset_size']:,} samples"
+        + (", activation checkpointing" if st["activation_checkpointing"] else ""),
         "",
         f"{'epoch':>5} {'frozen':>7} {'K':>3} {'R':>3} {'M':>4} {'cache':>5} "
         f"{'samples/s':>10} {'epoch time':>11}",

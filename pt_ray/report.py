@@ -15,6 +15,9 @@ per-epoch log lines are):
 Transitions (epochs whose frozen count, K or R differ from the previous epoch's) are dashed
 vertical lines on every panel, annotated on the first; a dotted cyan line marks where the
 activation cache turned on, and epochs where it served samples are shaded.
+
+The table ends with every rank's memory under each layout beside the planner's estimate
+(:func:`memory_table`), where the run measured it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "format_comparison",
     "format_table",
     "load_summary",
+    "memory_table",
     "render_report",
     "rollback_lines",
     "train_time_s",
@@ -201,7 +205,56 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
         foot += "\n" + line_
     if baseline is not None:
         foot += "\n" + _speedup_line(s, load_summary(baseline))
-    return "\n".join([title, line(head), rule, *(line(r) for r in rows), rule, foot])
+    memory = memory_table(s)
+    return "\n".join([title, line(head), rule, *(line(r) for r in rows), rule, foot]
+                     + (["", memory] if memory else []))
+
+
+def memory_table(summary: SummaryLike) -> str:
+    """Every rank's memory in the first epoch of each layout (the first epoch and each
+    transition), beside the planner's estimate for its stage: ``""`` for a run without memory
+    figures (the reference trainer, or a summary from before they existed).
+
+    Columns (KiB, or MiB once a figure reaches 10 MiB): the stage's parameters, gradients and
+    optimizer state, the activations saved for backward (peak of the epoch's sampled step),
+    the peak (the CUDA allocator's, or the tracked sum on the CPU), the estimate, and its error
+    against the measured peak (``estimate / peak - 1``). See
+    :class:`pt_ray.summary.RankMemory`.
+    """
+    s = load_summary(summary)
+    tl = [r for r in s["timeline"] if r.get("memory")]
+    if not tl:
+        return ""
+    starts = {tl[0]["epoch"]} | {t.epoch for t in transitions(tl)}
+    shown = [r for r in tl if r["epoch"] in starts]
+    biggest = max(max(m["peak_bytes"], m.get("estimate_bytes", 0.0))
+                  for r in shown for m in r["memory"])
+    unit, scale = ("MiB", 2**20) if biggest >= 10 * 2**20 else ("KiB", 2**10)
+    cuda = any(m.get("cuda") for r in shown for m in r["memory"])
+    head = ["epoch", "layout", "rank", "stage", "params", "grads", "optim", "acts",
+            "peak (CUDA)" if cuda else "peak (tracked)", "estimate", "error"]
+    rows = []
+    for r in shown:
+        layout = f"{r['num_frozen']}/{r['num_layers']} K{r['pipeline_length']} R{r['num_replicas']}"
+        for m in r["memory"]:
+            est = m.get("estimate_bytes", 0.0)
+            rows.append([str(r["epoch"] + 1), layout, str(m["rank"]), str(m["stage"]),
+                         *(f"{m[k] / scale:,.1f}" for k in ("param_bytes", "grad_bytes",
+                                                           "optimizer_bytes",
+                                                           "activation_bytes", "peak_bytes")),
+                         f"{est / scale:,.1f}" if est else "-",
+                         f"{est / m['peak_bytes'] - 1:+.0%}" if est and m["peak_bytes"] else "-"])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+
+    held = max(m["held_param_bytes"] for r in shown for m in r["memory"])
+    title = (f"memory per rank ({unit}) in the first epoch of each layout: its stage's parameters, "
+             "gradients, optimizer state and saved activations, its peak, the planner's estimate\n"
+             f"(every rank holds all {held / scale:,.1f} {unit} of the model's parameters: each "
+             "still builds the whole model)")
+    return "\n".join([title, line(head), "-" * len(line(head)), *(line(r) for r in rows)])
 
 
 def rollback_lines(summary: Mapping[str, Any]) -> list[str]:

@@ -184,7 +184,8 @@ def build_planner(
     counts, frozen layers weighing nothing, its M table); the rule planners turn the cache on
     from ``cache_from`` frozen blocks (1 with ``cache="on"``); ``elastic=False`` pins K and R.
     ``common``: batch_size,
-    batch_policy, schedule, initial_pipeline_length, num_microbatches, memory_budget."""
+    batch_policy, schedule, initial_pipeline_length, num_microbatches, memory_budget,
+    activation_checkpointing."""
     if kind == "cost":
         return CostModelPlanner(num_devices, costs, hw, cache=cache, runtime=runtime,
                                 activation_memory_factor=activation_memory_factor,
@@ -228,6 +229,7 @@ def simulate(
     activation_memory_factor: float = 24.0,
     optimizer_traffic: float = 5.0,
     ablations: bool = True,
+    activation_checkpointing: bool = False,
 ) -> SimulationResult:
     """Predict a run and its baseline (and the ablations).
 
@@ -258,6 +260,8 @@ def simulate(
         activation_memory_factor: see :class:`CostModelPlanner`.
         optimizer_traffic: see :func:`pt_ray.costmodel.step_time`.
         ablations: also predict the three partial configurations.
+        activation_checkpointing: every plan recomputes its trainable blocks' forward in their
+            backward (``pipeline.activation_checkpointing``): slower steps, less memory.
     """
     layers = costs.num_layers
     if batch_policy == "fixed_global" and batch_size % num_devices:
@@ -280,7 +284,8 @@ def simulate(
                   num_microbatches=num_microbatches, memory_budget=memory_budget,
                   cache_from=cache_from, runtime=runtime,
                   activation_memory_factor=activation_memory_factor,
-                  optimizer_traffic=optimizer_traffic)
+                  optimizer_traffic=optimizer_traffic,
+                  activation_checkpointing=activation_checkpointing)
     names = list(SCENARIOS) if ablations else ["baseline", "all"]
     runs = {}
     for name in names:
@@ -298,7 +303,8 @@ def simulate(
                     batch_size=batch_size, batch_policy=batch_policy, schedule=schedule,
                     freeze_policy=freeze_policy if frozen is None else "explicit",
                     alpha=alpha, frozen=list(timeline), planner=planner, cache=cache,
-                    runtime=runtime.name, hardware=hw.name)
+                    runtime=runtime.name, hardware=hw.name,
+                    activation_checkpointing=activation_checkpointing)
     return SimulationResult(
         run=runs["all"],
         baseline=runs["baseline"],

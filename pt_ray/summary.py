@@ -3,7 +3,9 @@
 Pure module. ``summary.json`` holds ``wall_time_s``, ``epochs``, ``metric_name``,
 ``final_eval_metric``, ``timeline`` (one :class:`EpochRecord` per epoch), ``config`` (the
 resolved RunConfig), ``device`` (``cpu`` or ``cuda``: where the run trained) and ``precision``
-(the concrete compute precision: ``fp32``, ``bf16`` or ``fp16``, never ``auto``).
+(the concrete compute precision: ``fp32``, ``bf16`` or ``fp16``, never ``auto``). Each
+record's ``memory`` lists every rank's :class:`RankMemory` for the epoch (empty in summaries
+written before it existed, and for the reference trainer).
 """
 
 from __future__ import annotations
@@ -14,7 +16,51 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EpochRecord", "format_epoch", "ideal_speedup", "read_summary", "write_summary"]
+__all__ = [
+    "EpochRecord",
+    "RankMemory",
+    "format_epoch",
+    "ideal_speedup",
+    "read_summary",
+    "write_summary",
+]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank held in an epoch, in bytes, measured at the end of its training steps
+    (before evaluation), beside the planner's estimate for its stage under the same plan.
+
+    Attributes:
+        rank: the rank.
+        stage: its pipeline stage under the epoch's plan.
+        param_bytes: parameters of the stage's layers (the frozen prefix's too on stage 0).
+        grad_bytes: their gradients (trained layers only; frozen ones have none).
+        optimizer_bytes: the optimizer state of the stage's trained layers (for AdamW two fp32
+            moments per parameter and a step counter per tensor).
+        activation_bytes: the most bytes autograd kept for backward at once during the epoch's
+            sampled step: distinct tensors saved by the stage's forward, parameters excluded
+            (:class:`pt_ray.runtime.memory.SavedActivations`).
+        peak_bytes: on CUDA the allocator's peak over the epoch's training steps
+            (``torch.cuda.max_memory_allocated``: the whole process, every layer it holds
+            included); on CPU the tracked sum ``param + grad + optimizer + activation``.
+        held_param_bytes: parameters of every layer the process holds. Every rank still builds
+            the whole model, so this is the whole model's on every rank, whatever its stage.
+        cuda: whether ``peak_bytes`` is the CUDA allocator's figure (else the tracked sum).
+        estimate_bytes: the planner's predicted peak for this rank's stage under the epoch's
+            plan (``plan_memory``); filled in by the controller, 0 where it made none.
+    """
+
+    rank: int
+    stage: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+    held_param_bytes: int
+    cuda: bool = False
+    estimate_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +90,7 @@ class EpochRecord:
         cache_cost_ratio: what the frozen prefix cost per sample with the cache (reads, layers
             run for misses and advances, writes) over its measured forward per sample without
             it; 0 when the cache served nothing.
+        memory: every rank's memory in the epoch, in rank order (:class:`RankMemory`).
     """
 
     epoch: int
@@ -63,6 +110,15 @@ class EpochRecord:
     cache_bytes: int = 0
     cache_objects: int = 0
     cache_cost_ratio: float = 0.0
+    memory: tuple[RankMemory, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EpochRecord:
+        """The record :func:`dataclasses.asdict` (or ``summary.json``) gave; fields it lacks
+        take their defaults, so older summaries load."""
+        memory = tuple(m if isinstance(m, RankMemory) else RankMemory(**m)
+                       for m in data.get("memory", ()))
+        return cls(**{**data, "memory": memory})
 
 
 def _metric(value: float) -> str:

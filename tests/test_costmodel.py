@@ -380,3 +380,54 @@ def test_1f1b_plans_never_have_fewer_microbatches_than_stages():
         CostModelPlanner(4, costs, hw, batch_size=2, schedule="1f1b", initial_pipeline_length=4)
     with pytest.raises(ValueError, match="cannot fill 4 pipeline stages"):
         Planner(4, costs, batch_size=2, schedule="1f1b").initial_plan()
+
+
+# -- activation checkpointing -----------------------------------------------------------------
+
+
+def test_recompute_adds_one_forward_to_each_block_backward_only():
+    table = CostTable(LayerCost(0.5, 1.0, 10, 5), (LayerCost(1.0, 2.0, 10, 5),) * 2,
+                      LayerCost(0.25, 0.5, 3, 1))
+    ckpt = table.with_recompute()
+    assert [b.backward_s for b in ckpt.blocks] == [3.0, 3.0] and ckpt.recompute
+    assert (ckpt.embed, ckpt.head) == (table.embed, table.head)  # never checkpointed
+    assert [b.forward_s for b in ckpt.blocks] == [1.0, 1.0]
+    assert ckpt.with_recompute() is ckpt  # applying it twice changes nothing
+
+
+def test_checkpointing_lowers_the_memory_estimate_and_raises_the_step_time():
+    # K = 2 over 4 uniform blocks, GPipe, M = 4 micro-batches of 2 samples; 24 outputs' worth
+    # of activations a block, 100 bytes an output, 1000 parameter bytes (x4 with AdamW).
+    planners = {
+        on: CostModelPlanner(2, uniform(4), IDEAL, batch_size=8, schedule="gpipe",
+                             initial_pipeline_length=2, num_microbatches=4, memory_budget=1e12,
+                             activation_memory_factor=24.0, activation_checkpointing=on)
+        for on in (False, True)}
+    plans = {on: p.initial_plan() for on, p in planners.items()}
+    assert plans[True].activation_checkpointing and not plans[False].activation_checkpointing
+    assert plans[True].boundaries == plans[False].boundaries == (0, 2, 4)
+    # Without: each block keeps 4 micro-batches x 2 samples x 24 x 100 bytes. With: its input
+    # (4 x 2 x 100), plus one block's 24 x 100 bytes of one micro-batch while recomputed.
+    # Stage 0 also holds the embedding's 19200 activation bytes, stage 1 the head's 800.
+    assert planners[False].stage_memory(plans[False]) == [2 * (4000 + 19200) + 19200,
+                                                          2 * (4000 + 19200) + 800]
+    assert planners[True].stage_memory(plans[True]) == [2 * (4000 + 800) + 4800 + 19200,
+                                                        2 * (4000 + 800) + 4800 + 800]
+    # Per micro-batch (2 samples; the table's times are per sample) a stage of 2 blocks runs
+    # forward 4 and backward 8, 12 with the recompute; GPipe's makespan is M + K - 1 of those.
+    assert planners[False].predict(plans[False]).step_s == pytest.approx(5 * (4 + 8))
+    assert planners[True].predict(plans[True]).step_s == pytest.approx(5 * (4 + 12))
+    # step_time takes the recompute from the plan itself, whatever table it is given.
+    assert step_time(plans[True], uniform(4), IDEAL, 8).step_s == pytest.approx(5 * (4 + 12))
+
+
+def test_checkpointing_reaches_both_planners_from_the_config():
+    for policy in ("paper", "cost"):
+        cfg = build_config({"pipeline": {"num_workers": 2, "pipeline_length": 2,
+                                         "policy": policy, "activation_checkpointing": True}})
+        state = build_control_state(cfg, 4, 2, 10)
+        state.submit_costs(0, uniform(4))
+        state.submit_costs(1, uniform(4))
+        assert state.planner.costs.recompute
+        plan = state.plan_for(0)
+        assert plan.activation_checkpointing and plan.describe().endswith(", checkpointed")

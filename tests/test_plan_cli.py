@@ -91,3 +91,21 @@ def test_help_documents_every_option():
             assert action.help, f"{action.option_strings} has no help"
     args = parser.parse_args(["plan", "--devices", "8"])
     assert args.command == "plan" and args.devices == 8 and callable(args.func)
+
+
+def test_activation_checkpointing_is_predicted_slower_and_named(capsys):
+    args = ("--epochs", "2", "--no-ablations", "--json")
+    runs = {}
+    for flag in ((), ("--activation-checkpointing",)):
+        code, out, _ = run(capsys, *flag, *args)
+        assert code == 0
+        runs[bool(flag)] = json.loads(out)
+    assert runs[True]["settings"]["activation_checkpointing"] is True
+    assert runs[False]["settings"]["activation_checkpointing"] is False
+    # One more forward of every trainable block per step: the same layout, fewer samples/s.
+    plain, ckpt = runs[False]["baseline"]["epochs"][0], runs[True]["baseline"]["epochs"][0]
+    assert (ckpt["pipeline_length"], ckpt["num_microbatches"]) == (
+        plain["pipeline_length"], plain["num_microbatches"])
+    assert ckpt["throughput"] < 0.9 * plain["throughput"]
+    code, out, _ = run(capsys, "--activation-checkpointing", "--epochs", "1", "--no-ablations")
+    assert code == 0 and ", activation checkpointing" in out.splitlines()[1]

@@ -27,6 +27,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 State = tuple[torch.Tensor, ...]
 Task = Literal["classification", "question_answering"]
@@ -97,10 +98,24 @@ def frozen_layer_names(num_frozen: int) -> list[str]:
     return ["embed", *(f"block.{i}" for i in range(num_frozen))]
 
 
-def run_blocks(blocks: Sequence[nn.Module], state: State) -> State:
-    """Run ``state`` through ``blocks`` in order."""
+def run_blocks(blocks: Sequence[nn.Module], state: State, recompute: bool = False) -> State:
+    """Run ``state`` through ``blocks`` in order.
+
+    Args:
+        blocks: the blocks.
+        state: the state entering the first block.
+        recompute: activation checkpointing: while gradients are enabled, each block keeps only
+            its input for backward and runs its forward again there
+            (``torch.utils.checkpoint``, non-reentrant, so it works under DDP and in the
+            pipeline schedules' backward; the random state is restored for the second forward,
+            so dropout draws the same masks and the gradients equal those without it).
+    """
+    recompute = recompute and torch.is_grad_enabled()
     for block in blocks:
-        state = block(*state)
+        if recompute:
+            state = checkpoint(block, *state, use_reentrant=False)
+        else:
+            state = block(*state)
     return state
 
 

@@ -67,6 +67,7 @@ from pt_ray.runtime.cache import ActivationStore, training_sampler
 from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
+from pt_ray.runtime.memory import FIELDS, MemoryMeter, rank_memory
 from pt_ray.runtime.migrate import LayerStates, collect_layer_state, migrate
 from pt_ray.runtime.optim import (
     build_optimizer,
@@ -175,6 +176,7 @@ class ElasticWorker:
         self.norms = GradNormMeter()
         self._loss_weight = 1.0  # the current pass's share of the step (gradient accumulation)
         adapter.model.to(self.device)
+        self.memory = MemoryMeter(self.modules, self.device)
 
     # -- plans ---------------------------------------------------------------------------------
 
@@ -499,6 +501,7 @@ class ElasticWorker:
         order = self.sampler.epoch_order(epoch)
         offset, steps = 0, 0
         loss_sum: torch.Tensor | float = 0.0
+        self.memory.start_epoch()
         t0 = time.perf_counter()
         mark = t0  # where the next step's wall time starts, for the step reports
         while offset + self._replicas_batch() <= len(order):
@@ -509,7 +512,10 @@ class ElasticWorker:
             size = self._replicas_batch()  # a decision may have changed R
             if offset + size > len(order):
                 break
-            loss = self.train_step(order[offset:offset + size])
+            # Counting saved activations costs a step tens of percent on a small model, so
+            # only the epoch's last step is counted (under the plan the record reports).
+            with self.memory.step(sampled=offset + 2 * size > len(order)):
+                loss = self.train_step(order[offset:offset + size])
             loss_sum += loss
             offset += size
             steps += 1
@@ -518,11 +524,15 @@ class ElasticWorker:
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
             torch.cuda.synchronize(self.device)
         epoch_time = time.perf_counter() - t0
+        # Each rank fills its own row of the memory table; the sum below gathers them all.
+        memory = [0.0] * (len(FIELDS) * self.world)
+        memory[self.rank * len(FIELDS):(self.rank + 1) * len(FIELDS)] = self.memory.figures(
+            self.plan.stage_layers(self.topo.stage), self.optimizer, self.topo.stage)
         # After this reduction every rank's cache writes have landed.
         cache = self.comm.reduce_values(epoch_counters(self.prefix))
         held = store_figures(self.prefix, self.rank)
         metric, eval_time = self.evaluate() if cfg.evaluates_after(epoch) else (float("nan"), 0.0)
-        totals = self.comm.reduce_values([float(loss_sum), *held])
+        totals = self.comm.reduce_values([float(loss_sum), *held, *memory])
         times = self.comm.reduce_values([epoch_time, transition], op="max")
         rec = EpochRecord(
             epoch=epoch,
@@ -543,6 +553,7 @@ class ElasticWorker:
             cache_bytes=int(totals[1]),
             cache_objects=int(totals[2]),
             cache_cost_ratio=float(cache[4] / cache[5]) if cache[5] else 0.0,
+            memory=rank_memory(totals[1 + len(held):], self.world),
         )
         self.controller.record(self.rank, rec)
         self.next_epoch = epoch + 1

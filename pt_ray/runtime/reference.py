@@ -9,7 +9,9 @@ with the same parameters:
 2. newly frozen layers get ``requires_grad=False``, run in eval mode under ``no_grad`` and leave
    the optimizer with their state, while every other layer's optimizer state is untouched;
 3. each step takes the global sampler's indices, sets the learning rate from the run's progress
-   in samples, runs forward/backward, clips the global norm of the active gradients and steps;
+   in samples, runs forward/backward (the trainable blocks recomputed in the backward with
+   ``pipeline.activation_checkpointing``, as the engine's stages), clips the global norm of
+   the active gradients and steps;
 4. after each epoch the whole eval set is scored, and the accuracy guard sees the score: after a
    harmful freeze it stops freezing and, with ``freeze.rollback``, returns to the state kept at
    the start of that freeze's first epoch and trains on from there.
@@ -40,6 +42,7 @@ from pt_ray.models.base import (
     frozen_layer_names,
     iter_layers,
     layer_module,
+    run_blocks,
 )
 from pt_ray.models.registry import build_adapter
 from pt_ray.runtime.cache import training_sampler
@@ -361,8 +364,8 @@ class ReferenceTrainer:
                 state = prec.cast_state(state)
             else:
                 state = a.embed(*batch.inputs)
-            for block in a.blocks[n:]:
-                state = block(*state)
+            # As the engine's stages: the trainable blocks checkpointed when configured.
+            state = run_blocks(a.blocks[n:], state, self.cfg.pipeline.activation_checkpointing)
             out = prec.logits(a.head(*state))
         return a.loss(out, batch.target)
 

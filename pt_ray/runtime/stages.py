@@ -2,7 +2,8 @@
 
 Stages are built by slicing the adapter's block list (never by tracing): stage 0 runs the frozen
 prefix (embedding plus blocks ``0..n-1``, in eval mode under ``no_grad``) and, when nothing is
-frozen, the trainable embedding; every stage runs its active blocks; the last stage runs the
+frozen, the trainable embedding; every stage runs its active blocks (with
+``plan.activation_checkpointing``, each recomputed in its backward); the last stage runs the
 head. The state tuple (hidden states, plus the attention mask for BERT-family models) travels
 between stages as the schedule's activations, in the compute dtype (every forward runs under the
 run's autocast; :mod:`pt_ray.runtime.precision`). When the activation cache serves the frozen
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from pt_ray.models.base import ModelAdapter, State
+from pt_ray.models.base import ModelAdapter, State, run_blocks
 from pt_ray.plan import Plan
 from pt_ray.runtime.precision import Precision
 
@@ -83,6 +84,11 @@ class StageModule(nn.Module):
         state_inputs: stage 0's forward takes the frozen prefix's output (the activation cache
             serves it) instead of the model inputs; only with a frozen prefix.
         precision: the run's precision (default: fp32).
+
+    With ``plan.activation_checkpointing`` each trainable block's forward runs under
+    non-reentrant ``torch.utils.checkpoint`` (:func:`pt_ray.models.base.run_blocks`), so the
+    stage keeps only each block's input for backward and recomputes the rest there; the frozen
+    prefix (no gradients, nothing kept), the embedding and the head run as without it.
     """
 
     def __init__(
@@ -104,6 +110,7 @@ class StageModule(nn.Module):
                 f"{stage} with num_frozen={n}"
             )
         self.state_inputs = state_inputs
+        self.recompute = plan.activation_checkpointing
         self._frozen: list[nn.Module] = []
         if self.is_first:
             if n > 0:
@@ -132,8 +139,7 @@ class StageModule(nn.Module):
         stage."""
         state = self.run_prefix(*args) if self.is_first and not self.state_inputs else args
         with self.precision.autocast():
-            for block in self.blocks:
-                state = block(*state)
+            state = run_blocks(self.blocks, state, self.recompute)
             if self.is_last:
                 return self.precision.logits(self.head(*state))
         return self.precision.cast_state(state)
