@@ -512,9 +512,11 @@ class ElasticWorker:
             size = self._replicas_batch()  # a decision may have changed R
             if offset + size > len(order):
                 break
-            # Counting saved activations costs a step tens of percent on a small model, so
-            # only the epoch's last step is counted (under the plan the record reports).
-            with self.memory.step(sampled=offset + 2 * size > len(order)):
+            # Saved activations are counted on the epoch's last step (under the plan the record
+            # reports), once per plan.
+            last = offset + 2 * size > len(order)
+            with self.memory.step(last and self.memory.due(self.plan.generation),
+                                  self.plan.generation):
                 loss = self.train_step(order[offset:offset + size])
             loss_sum += loss
             offset += size

@@ -131,21 +131,31 @@ class MemoryMeter:
         self.modules = modules
         self.device = device
         self.saved = SavedActivations()
+        self.generation: int | None = None  # the plan under which activations were counted
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for m in self.modules.values() for p in m.parameters()]
 
     def start_epoch(self) -> None:
-        """Reset the peaks (before the epoch's first step), and take the parameters where
-        they are now (a transition or a restore may have moved them)."""
-        self.saved.exclude(self._params())
-        self.saved.reset_peak()
+        """Reset CUDA's peak (before the epoch's first step)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def step(self, sampled: bool):
-        """A context for one training step: counting saved activations if ``sampled``."""
-        return self.saved.counting() if sampled else contextlib.nullcontext()
+    def due(self, generation: int) -> bool:
+        """Whether to count a step's saved activations under plan ``generation``: once per
+        plan, since a plan's steps all save the same (counting costs that step tens of
+        percent on a small model); the figure carries over to the plan's later epochs."""
+        return generation != self.generation
+
+    def step(self, sampled: bool, generation: int = 0):
+        """A context for one training step: counting saved activations if ``sampled`` (the
+        parameters taken where they are now: a transition or a restore may have moved them)."""
+        if not sampled:
+            return contextlib.nullcontext()
+        self.generation = generation
+        self.saved.exclude(self._params())
+        self.saved.reset_peak()
+        return self.saved.counting()
 
     def figures(self, layers: Sequence[str], optimizer: torch.optim.Optimizer | None,
                 stage: int) -> list[float]:
