@@ -47,6 +47,8 @@ def merge_costs(tables: list[CostTable]) -> CostTable:
             median(c.backward_s for c in costs),
             max(c.activation_bytes for c in costs),
             max(c.param_bytes for c in costs),
+            None if any(c.saved_bytes is None for c in costs)
+            else max(c.saved_bytes for c in costs),
         )
 
     first = tables[0]

@@ -53,8 +53,9 @@ class CostModelPlanner:
         runtime: how the runtime runs the prefix and writes the cache.
         optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
             gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
-        activation_memory_factor: bytes a block keeps for backward per byte of its output
-            (:func:`pt_ray.shapes.saved_activation_factor`; about 25 for ViT-B/16).
+        activation_memory_factor: bytes a block keeps for backward per byte of its output,
+            for layers whose ``saved_bytes`` were not measured (analytic tables;
+            :func:`pt_ray.shapes.saved_activation_factor`; about 25 for ViT-B/16).
         max_microbatches_per_stage: the M search stops at this many micro-batches per stage.
         optimizer_traffic: see :func:`pt_ray.costmodel.step_time`.
         accumulate: whether the runtime accumulates gradients over M micro-batches at K = 1,
@@ -169,33 +170,35 @@ class CostModelPlanner:
         state, the frozen prefix's weights on stage 0, and the activations kept for backward
         (GPipe keeps all M micro-batches; 1F1B at most ``K - stage``).
 
+        What a layer keeps for backward is its profiled ``saved_bytes`` per sample when the
+        table has them (:func:`pt_ray.runtime.profile.profile_costs` measures them), else
+        ``activation_memory_factor`` outputs' worth (the head: one).
+
         With ``plan.activation_checkpointing`` a trainable block keeps only its input per
-        micro-batch in flight (one output's worth, instead of ``activation_memory_factor``
-        of them), and the backward holds one block's activations of one micro-batch at a time
-        while it recomputes them."""
+        micro-batch in flight (one output's worth), and the backward holds one block's
+        activations of one micro-batch at a time while it recomputes them."""
         c, k, m = self.costs, plan.pipeline_length, plan.num_microbatches
         per_mb = self.replica_batch(plan.num_replicas) / m
+        factor = self.activation_memory_factor
         mem = []
         for s in range(k):
             held = m if plan.schedule == "gpipe" else min(m, k - s)
-            acts = held * per_mb * self.activation_memory_factor
+            in_flight = held * per_mb  # samples whose activations wait for their backward
             blocks = c.blocks[plan.boundaries[s]:plan.boundaries[s + 1]]
-            kept = acts
-            if plan.activation_checkpointing:
-                kept = held * per_mb
-            total = sum(b.param_bytes * self.optimizer_state_factor + b.activation_bytes * kept
-                        for b in blocks)
+            total = 0.0
+            for b in blocks:
+                kept = b.activation_bytes if plan.activation_checkpointing else b.kept_bytes(factor)
+                total += b.param_bytes * self.optimizer_state_factor + kept * in_flight
             if plan.activation_checkpointing and blocks:
-                total += max(b.activation_bytes for b in blocks) * per_mb * (
-                    self.activation_memory_factor)
+                total += max(b.kept_bytes(factor) for b in blocks) * per_mb
             if s == 0:
                 frozen = plan.num_frozen > 0
                 total += c.embed.param_bytes * (1 if frozen else self.optimizer_state_factor)
                 total += sum(b.param_bytes for b in c.blocks[:plan.num_frozen])
-                total += 0 if frozen else c.embed.activation_bytes * acts
+                total += 0 if frozen else c.embed.kept_bytes(factor) * in_flight
             if s == k - 1:
                 total += c.head.param_bytes * self.optimizer_state_factor
-                total += c.head.activation_bytes * held * per_mb
+                total += c.head.kept_bytes(1.0) * in_flight
             mem.append(total)
         return mem
 

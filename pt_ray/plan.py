@@ -45,12 +45,21 @@ class LayerCost:
         backward_s: backward time in seconds (input and weight gradients).
         activation_bytes: bytes of the layer's output, per sample.
         param_bytes: bytes of the layer's parameters.
+        saved_bytes: bytes the layer's forward keeps for its backward, per sample, measured
+            when it was profiled; None: unknown (estimates multiply ``activation_bytes`` by a
+            factor instead, see :meth:`kept_bytes`).
     """
 
     forward_s: float
     backward_s: float
     activation_bytes: float
     param_bytes: float
+    saved_bytes: float | None = None
+
+    def kept_bytes(self, factor: float) -> float:
+        """Bytes kept for backward per sample: the measured ``saved_bytes``, else
+        ``factor`` outputs' worth."""
+        return self.saved_bytes if self.saved_bytes is not None else self.activation_bytes * factor
 
 
 @dataclass(frozen=True)

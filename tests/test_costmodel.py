@@ -431,3 +431,26 @@ def test_checkpointing_reaches_both_planners_from_the_config():
         assert state.planner.costs.recompute
         plan = state.plan_for(0)
         assert plan.activation_checkpointing and plan.describe().endswith(", checkpointed")
+
+
+def test_measured_saved_bytes_replace_the_factor_in_the_memory_estimate():
+    # The same table as above, but each layer says what it keeps for backward per sample:
+    # 700 bytes a block, 300 the embedding, 50 the head (the factor no longer applies).
+    measured = uniform(4)
+    measured = replace(
+        measured, embed=replace(measured.embed, saved_bytes=300.0),
+        blocks=tuple(replace(b, saved_bytes=700.0) for b in measured.blocks),
+        head=replace(measured.head, saved_bytes=50.0))
+    planners = {
+        on: CostModelPlanner(2, measured, IDEAL, batch_size=8, schedule="gpipe",
+                             initial_pipeline_length=2, num_microbatches=4, memory_budget=1e12,
+                             activation_memory_factor=24.0, activation_checkpointing=on)
+        for on in (False, True)}
+    plans = {on: p.initial_plan() for on, p in planners.items()}
+    # 8 samples in flight per stage (GPipe, 4 micro-batches of 2).
+    assert planners[False].stage_memory(plans[False]) == [2 * (4000 + 8 * 700) + 8 * 300,
+                                                          2 * (4000 + 8 * 700) + 8 * 50]
+    # Checkpointed: each block keeps its input (100 bytes an output), plus one block's saved
+    # bytes for one micro-batch of 2 while it recomputes.
+    assert planners[True].stage_memory(plans[True]) == [2 * (4000 + 800) + 1400 + 8 * 300,
+                                                        2 * (4000 + 800) + 1400 + 8 * 50]

@@ -92,3 +92,16 @@ def test_blocks_of_one_structure_share_their_median_times():
     pooled = _pool_alike(adapter, odd)
     got = [t for c in pooled for t in (c.forward_s, c.backward_s)]
     assert got == pytest.approx([0.3, 0.3, 0.3, 0.3, 0.3, 0.9])
+
+
+def test_profile_counts_what_each_layer_keeps_for_backward():
+    adapter = _vit()
+    costs = profile_costs(adapter, _batch(), repeats=1)
+    # A block saves several of its intermediates (norm inputs, attention, MLP hidden), never
+    # its parameters: more than its output, less than a few dozen outputs' worth.
+    for block in costs.blocks:
+        assert block.saved_bytes is not None
+        assert 2 * block.activation_bytes < block.saved_bytes < 40 * block.activation_bytes
+    assert costs.embed.saved_bytes is not None and costs.head.saved_bytes > 0
+    # Counting left no gradient or graph behind.
+    assert all(p.grad is None for p in adapter.model.parameters())

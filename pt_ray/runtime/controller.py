@@ -87,10 +87,12 @@ class LocalController:
 
 
 def _costs_to_tensor(costs: CostTable) -> torch.Tensor:
-    """``[samples, L, then 4 numbers per layer (embed, blocks, head)]`` as float64."""
+    """``[samples, L, then LayerCost's numbers per layer (embed, blocks, head)]`` as float64
+    (an unknown ``saved_bytes`` as NaN)."""
     values = [float(costs.samples), float(costs.num_layers)]
     for layer in (costs.embed, *costs.blocks, costs.head):
-        values += [float(getattr(layer, f.name)) for f in fields(LayerCost)]
+        values += [math.nan if getattr(layer, f.name) is None else float(getattr(layer, f.name))
+                   for f in fields(LayerCost)]
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -98,6 +100,7 @@ def _costs_from_tensor(row: torch.Tensor) -> CostTable:
     values = row.tolist()
     samples, num_layers = int(values[0]), int(values[1])
     width = len(fields(LayerCost))
-    layers = [LayerCost(*values[2 + i * width:2 + (i + 1) * width])
+    layers = [LayerCost(*(None if math.isnan(v) else v
+                          for v in values[2 + i * width:2 + (i + 1) * width]))
               for i in range(num_layers + 2)]
     return CostTable(layers[0], tuple(layers[1:-1]), layers[-1], samples=samples)

@@ -7,6 +7,9 @@ output. Backward is timed as one ``autograd.grad`` call for the layer's input an
 gradients. The median of a few repetitions after a warm-up is kept. Blocks of the same structure
 (class, parameter shapes and output size: every block of a ViT or a BERT) do the same work, so
 each takes the median over its group: noise on one block no longer moves a stage boundary.
+Each layer's forward is also run once under :class:`pt_ray.runtime.memory.SavedActivations`,
+which counts the bytes autograd keeps for its backward (``LayerCost.saved_bytes``): the planner's
+memory estimate then uses the model's own figure, not a rule of thumb.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from pt_ray.data.base import Batch
 from pt_ray.models.base import ModelAdapter, State
 from pt_ray.plan import CostTable, LayerCost
+from pt_ray.runtime.memory import SavedActivations
 from pt_ray.runtime.precision import Precision
 
 __all__ = ["profile_costs"]
@@ -67,6 +72,19 @@ def _time_layer(
     return statistics.median(fwd), statistics.median(bwd), out
 
 
+def _saved_bytes(
+    fn: Callable[[], State | torch.Tensor],
+    params: list[torch.nn.Parameter],
+    to_scalar: Callable[[State | torch.Tensor], torch.Tensor],
+) -> int:
+    """The most bytes autograd holds for the backward of ``fn`` (and its ``to_scalar``: the
+    head's loss), parameters aside; the graph is dropped unused."""
+    saved = SavedActivations(exclude=params)
+    with saved.counting():
+        to_scalar(fn())
+    return saved.peak
+
+
 def _detach(state: State) -> State:
     return tuple(
         t.detach().requires_grad_(t.is_floating_point() and i == 0) for i, t in enumerate(state)
@@ -110,7 +128,9 @@ def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision)
         device, repeats,
         _sum_first,
     )
-    embed = LayerCost(f, b, _bytes(state) / n, _param_bytes(adapter.embed))
+    saved = _saved_bytes(lambda: prec.cast_state(adapter.embed(*batch.inputs)), embed_params,
+                         _sum_first)
+    embed = LayerCost(f, b, _bytes(state) / n, _param_bytes(adapter.embed), saved / n)
     blocks = []
     for block in adapter.blocks:
         inp = _detach(state)
@@ -119,15 +139,21 @@ def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision)
             lambda blk=block, x=inp: prec.cast_state(blk(*x)), inp, params, device, repeats,
             _sum_first
         )
-        blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block)))
+        saved = _saved_bytes(lambda blk=block, x=inp: prec.cast_state(blk(*x)), params,
+                             _sum_first)
+        blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block), saved / n))
     blocks = _pool_alike(adapter, blocks)
     inp = _detach(state)
     params = [p for p in adapter.head.parameters() if p.requires_grad]
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return adapter.loss(out, batch.target)
+
     f, b, out = _time_layer(
-        lambda: prec.logits(adapter.head(*inp)), inp, params, device, repeats,
-        lambda o: adapter.loss(o, batch.target),
+        lambda: prec.logits(adapter.head(*inp)), inp, params, device, repeats, loss,
     )
-    head = LayerCost(f, b, _bytes(out) / n, _param_bytes(adapter.head))
+    saved = _saved_bytes(lambda: prec.logits(adapter.head(*inp)), params, loss)
+    head = LayerCost(f, b, _bytes(out) / n, _param_bytes(adapter.head), saved / n)
     return CostTable(embed, tuple(blocks), head, samples=n)
 
 
@@ -142,5 +168,5 @@ def _pool_alike(adapter: ModelAdapter, blocks: list[LayerCost]) -> list[LayerCos
         fwd = statistics.median(blocks[i].forward_s for i in members)
         bwd = statistics.median(blocks[i].backward_s for i in members)
         for i in members:
-            out[i] = LayerCost(fwd, bwd, blocks[i].activation_bytes, blocks[i].param_bytes)
+            out[i] = replace(blocks[i], forward_s=fwd, backward_s=bwd)
     return out
