@@ -58,8 +58,11 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     # The per-epoch table: a header and 4 epoch rows.
     tables = [_text(c) for c in code if "frozen/L" in _text(c) and "ideal speedup" in _text(c)]
     assert len(tables) == 1
-    rows = [ln.split() for ln in tables[0].splitlines()]
+    # Then every rank's memory under each layout, below the epochs.
+    epochs, memory = tables[0].split("memory per rank")
+    rows = [ln.split() for ln in epochs.splitlines()]
     assert [r[0] for r in rows if r and r[0].isdigit()] == ["1", "2", "3", "4"]
+    assert "estimate" in memory
 
     # The sweep's comparison: one row per alpha.
     sweep = _text(code[-2])
