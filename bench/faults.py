@@ -54,6 +54,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import torch  # noqa: E402
 
 from compare import source_info, start_ray  # noqa: E402
+from procs import kill_session  # noqa: E402
 from pt_ray.api import fit  # noqa: E402
 from pt_ray.config import build_config  # noqa: E402
 from pt_ray.faults import FAULT_ENV  # noqa: E402
@@ -170,31 +171,6 @@ def run_fault(row: str, out: Path, reference: dict) -> dict[str, Any]:
     }
 
 
-def _session_processes(sid: int) -> list[int]:
-    """Processes alive in session ``sid`` (the killed driver's embedded Ray cluster)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _kill_session(sid: int) -> None:
-    for _ in range(50):
-        left = _session_processes(sid)
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-
-
 def run_driver_killed(out: Path, reference: dict) -> dict[str, Any]:
     """``pt-ray train`` killed with its cluster once a complete checkpoint is on disk, then
     resumed by hand on the benchmark's cluster."""
@@ -220,7 +196,7 @@ def run_driver_killed(out: Path, reference: dict) -> dict[str, Any]:
         driver.wait(timeout=30)
         killed_s = time.perf_counter() - t0
     finally:
-        _kill_session(driver.pid)
+        kill_session(driver.pid)
     if (run_dir / "summary.json").exists():
         raise RuntimeError("the run finished before it was stopped")
     next_epoch = resume_point(run_dir).next_epoch

@@ -24,6 +24,9 @@ from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, re
     usable_checkpoint, write_meta, write_shard
 from pt_ray.runtime.reference import ReferenceTrainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from procs import kill_session  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,32 +48,6 @@ def resumable_config(tmp_path: Path, **extra):
         "output_dir": str(tmp_path),
         **extra,
     })
-
-
-def _session_processes(sid: int) -> list[int]:
-    """Processes still alive in session ``sid`` (the killed driver's embedded Ray cluster)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # after the state, ppid and pgrp: the session id
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _kill_session(sid: int) -> None:
-    for _ in range(50):
-        left = _session_processes(sid)
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
 
 
 def _complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -105,7 +82,7 @@ def test_driver_killed_after_an_epoch_resumes_on_one_worker_and_ends_as_never_st
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=30)
     finally:
-        _kill_session(driver.pid)
+        kill_session(driver.pid)
     assert not (run_dir / "summary.json").exists(), "the run finished before it was stopped"
 
     point = resume_point(run_dir)
