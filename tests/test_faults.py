@@ -91,6 +91,20 @@ def test_controller_killed_mid_run_is_restarted_and_rebuilt_from_the_checkpoint(
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
+def test_controller_lost_before_any_checkpoint_falls_back_to_a_group_restart(
+        ray_cluster, tmp_path, reference_params):
+    # With a checkpoint every 2 epochs none exists in epoch 1: the restarted controller has
+    # nothing to restore, the workers' calls fail, and Ray Train restarts the group from the
+    # start, which sets the controller up again.
+    result = _run_with_fault(tmp_path, "fault-controller-early", "controller:1:3:0",
+                             checkpoint_every=2)
+    assert result.restarts == 0  # counted are restarts from a checkpoint; this one began anew
+    assert [r.epoch for r in result.timeline] == [0, 1, 2]
+    assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
 def test_peer_that_stops_answering_inside_a_collective_fails_within_the_timeout_then_recovers(
         ray_cluster, tmp_path, reference_params):
     # Rank 1 stops before step 3 of epoch 1 while rank 0 waits for it inside a collective: the

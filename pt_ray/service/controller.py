@@ -82,15 +82,23 @@ class ControllerActor:
             self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch,
                                              hardware, deterministic_transform)
 
-    async def recover(self, setup_args: tuple) -> int:
+    async def recover(self, setup_args: tuple, decision: int | None) -> int:
         """Restore a restarted controller from the run's latest complete checkpoint (the first
         caller restores; later ones get the same answer). Returns the last epoch the
         checkpoint holds: what a worker sent about later epochs must be sent again.
 
+        Args:
+            setup_args: :meth:`setup`'s arguments.
+            decision: the decision whose plan the caller trains under. The checkpoint must
+                have been taken at its start: only then do the workers' resent records and
+                norms rebuild exactly what was lost (with ``checkpoint_every`` > 1, or
+                decisions every k steps, earlier inputs are gone).
+
         Raises:
             RuntimeError: this actor holds state it did not restore (a worker group restarted
-                meanwhile and set it up again), or no complete checkpoint exists (the
-                caller's worker group then restarts, from the start if need be).
+                meanwhile and set it up again), no complete checkpoint exists, or it is older
+                than ``decision``'s start: the caller's worker group then restarts from the
+                checkpoint instead.
         """
         if self.recovered_after is not None:
             return self.recovered_after
@@ -103,6 +111,11 @@ class ControllerActor:
         if checkpoint is None:
             raise RuntimeError("the controller was lost before the run's first checkpoint")
         meta = read_meta(checkpoint)
+        if decision is not None and meta["next_decision"] != decision:
+            raise RuntimeError(
+                f"the latest checkpoint ({checkpoint.name}) was taken at decision "
+                f"{meta['next_decision']}, not at decision {decision}'s start: the inputs "
+                "since are lost")
         await self.setup(*setup_args)
         self.state.resume(meta["controller"], meta["next_decision"])
         self.recovered_after = int(meta["epoch"])
@@ -174,6 +187,7 @@ class RayController:
         self._setup_args: tuple | None = None
         self._record: EpochRecord | None = None  # rank 0's last record
         self._norms: tuple[int, int, dict[int, float]] | None = None  # the last submission
+        self._decision: int | None = None  # the decision whose plan this worker trains under
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -194,7 +208,7 @@ class RayController:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                after = ray.get(self.actor.recover.remote(self._setup_args),
+                after = ray.get(self.actor.recover.remote(self._setup_args, self._decision),
                                 timeout=max(1.0, deadline - time.monotonic()))
                 break
             except ray.exceptions.RayActorError:
@@ -223,7 +237,9 @@ class RayController:
         self._call("submit_costs", rank, costs)
 
     def plan_for(self, decision: int) -> Plan:
-        return self._call("plan_for", decision)
+        plan = self._call("plan_for", decision)
+        self._decision = decision
+        return plan
 
     def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
         self._norms = (decision, rank, norms)
