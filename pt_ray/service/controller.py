@@ -9,8 +9,10 @@ A controller that is lost comes back: Ray restarts the actor (``max_restarts``),
 first worker whose call fails finds it again and has it restore itself from the run's latest
 complete checkpoint (:meth:`ControllerActor.recover`); each worker then replays what it had
 sent since that checkpoint (rank 0's epoch record, its norms) and retries its call, so training
-goes on without a worker-group restart. Lost before the first checkpoint, or not back within
-``pipeline.collective_timeout_s``, the call fails and Ray Train restarts the worker group.
+goes on without a worker-group restart. Lost before the first checkpoint, when the latest
+checkpoint was not taken at the start of the workers' current decision (what they sent since
+is gone), or not back within ``pipeline.collective_timeout_s``, the call fails and Ray Train
+restarts the worker group.
 """
 
 from __future__ import annotations
