@@ -21,12 +21,11 @@ from pt_ray.models import HF_ENCODERS, build_adapter, forward_layers
 from pt_ray.models.hf_discovery import discover_spec
 from pt_ray.models.export import export_model, load_exported
 from test_export import TRAIN
+from test_models import SEQ, VOCAB, text_inputs
 
 pytestmark = pytest.mark.unit
 
 DEPTH = 3
-VOCAB = 100
-SEQ = 12
 CLASSES = 3
 TINY = dict(hidden_size=32, num_hidden_layers=DEPTH, num_attention_heads=2, intermediate_size=64,
             vocab_size=VOCAB, max_position_embeddings=64)
@@ -56,18 +55,6 @@ def load(folder: Path, task: str = "classification", name: str = "bert-like"):
         seq_len=SEQ,
         seed=1,
     )
-
-
-def text_inputs(batch: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ids above the pad ids, real padding, and a second segment of token type 1."""
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, VOCAB, (batch, SEQ), generator=g)
-    attention_mask = torch.ones(batch, SEQ, dtype=torch.long)
-    for row, length in enumerate((SEQ, 9, 6, 4)[:batch]):
-        attention_mask[row, length:] = 0
-    token_type_ids = torch.zeros(batch, SEQ, dtype=torch.long)
-    token_type_ids[:, SEQ // 2:] = 1
-    return input_ids, attention_mask, token_type_ids
 
 
 def own_logits(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
