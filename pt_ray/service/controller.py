@@ -31,7 +31,6 @@ from pt_ray.config import RunConfig
 from pt_ray.control import ControlState, build_control_state
 from pt_ray.hwprofile import HardwareProfile
 from pt_ray.plan import CostTable, Plan
-from pt_ray.runtime.checkpoint import latest_checkpoint, read_meta
 from pt_ray.summary import EpochRecord
 
 __all__ = ["ControllerActor", "RayController", "controller_name"]
@@ -107,6 +106,10 @@ class ControllerActor:
         if self.state is not None:
             raise RuntimeError("the controller was set up again since it restarted: "
                                "nothing to recover")
+        # Imported here: the module brings torch, which the actor otherwise never needs, and
+        # importing it would cost every run's start-up a second or two of CPU.
+        from pt_ray.runtime.checkpoint import latest_checkpoint, read_meta
+
         folders = [p for p in self.checkpoints.glob("checkpoint_*") if p.is_dir()] \
             if self.checkpoints is not None else []
         checkpoint = latest_checkpoint(folders)
