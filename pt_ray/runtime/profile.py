@@ -6,10 +6,14 @@ on the batch, block ``i`` on block ``i-1``'s output, the head (with the loss) on
 output. Backward is timed as one ``autograd.grad`` call for the layer's input and parameter
 gradients. The median of a few repetitions after a warm-up is kept. Blocks of the same structure
 (class, parameter shapes and output size: every block of a ViT or a BERT) do the same work, so
-each takes the median over its group: noise on one block no longer moves a stage boundary.
+each takes the median over its group: noise on one block no longer moves a stage boundary. Only
+the first block of a group is repeated; the others are timed once each, with its kernels warm:
+L identical blocks take L + 4 passes (forward and backward, or forward alone to count bytes)
+with the default 3 repetitions, not 5 L, so profiling stays a small share of a run's start-up.
 Each layer's forward is also run once under :class:`pt_ray.runtime.memory.SavedActivations`,
 which counts the bytes autograd keeps for its backward (``LayerCost.saved_bytes``): the planner's
-memory estimate then uses the model's own figure, not a rule of thumb.
+memory estimate then uses the model's own figure, not a rule of thumb; blocks of one group keep
+the same bytes, so it is counted for the first of them.
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ def _time_layer(
     device: torch.device,
     repeats: int,
     to_scalar: Callable[[State | torch.Tensor], torch.Tensor],
+    warmup: bool = True,
 ) -> tuple[float, float, State | torch.Tensor]:
     fwd, bwd = [], []
     out: State | torch.Tensor = ()
     wrt = [t for t in inputs if t.requires_grad] + params
-    for rep in range(repeats + 1):  # the first repetition warms up and is discarded
+    skip = int(warmup)
+    for rep in range(repeats + skip):  # a warm-up repetition is discarded
         _sync(device)
         t0 = time.perf_counter()
         out = fn()
@@ -66,7 +72,7 @@ def _time_layer(
             torch.autograd.grad(scalar, wrt, allow_unused=True)
         _sync(device)
         t2 = time.perf_counter()
-        if rep:
+        if rep >= skip:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     return statistics.median(fwd), statistics.median(bwd), out
@@ -132,16 +138,26 @@ def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision)
                          _sum_first)
     embed = LayerCost(f, b, _bytes(state) / n, _param_bytes(adapter.embed), saved / n)
     blocks = []
+    # The saved bytes of the first block of each structure (and input size): the rest of its
+    # group keeps the same tensors for backward.
+    first_of: dict[tuple, float] = {}
     for block in adapter.blocks:
         inp = _detach(state)
         params = [p for p in block.parameters() if p.requires_grad]
+        key = (_structure(block), _bytes(inp))
+        known = key in first_of
+        # The first block of a structure is timed `repeats` times after a warm-up; the others
+        # of its group once, with its kernels warm: their times are pooled into one median
+        # below, so more repetitions of each would buy little and cost start-up time.
         f, b, state = _time_layer(
-            lambda blk=block, x=inp: prec.cast_state(blk(*x)), inp, params, device, repeats,
-            _sum_first
+            lambda blk=block, x=inp: prec.cast_state(blk(*x)), inp, params, device,
+            1 if known else repeats, _sum_first, warmup=not known,
         )
-        saved = _saved_bytes(lambda blk=block, x=inp: prec.cast_state(blk(*x)), params,
-                             _sum_first)
-        blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block), saved / n))
+        if not known:
+            first_of[key] = _saved_bytes(lambda blk=block, x=inp: prec.cast_state(blk(*x)),
+                                         params, _sum_first)
+        blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block),
+                                first_of[key] / n))
     blocks = _pool_alike(adapter, blocks)
     inp = _detach(state)
     params = [p for p in adapter.head.parameters() if p.requires_grad]
@@ -161,8 +177,7 @@ def _pool_alike(adapter: ModelAdapter, blocks: list[LayerCost]) -> list[LayerCos
     """Each block's times replaced by the medians over the blocks of the same structure."""
     groups: dict[tuple, list[int]] = {}
     for i, (block, cost) in enumerate(zip(adapter.blocks, blocks)):
-        shapes = tuple(tuple(p.shape) for p in block.parameters())
-        groups.setdefault((type(block).__name__, shapes, cost.activation_bytes), []).append(i)
+        groups.setdefault((_structure(block), cost.activation_bytes), []).append(i)
     out = list(blocks)
     for members in groups.values():
         fwd = statistics.median(blocks[i].forward_s for i in members)
@@ -170,3 +185,8 @@ def _pool_alike(adapter: ModelAdapter, blocks: list[LayerCost]) -> list[LayerCos
         for i in members:
             out[i] = replace(blocks[i], forward_s=fwd, backward_s=bwd)
     return out
+
+
+def _structure(block: torch.nn.Module) -> tuple:
+    """What makes two blocks do the same work: their class and parameter shapes."""
+    return type(block).__name__, tuple(tuple(p.shape) for p in block.parameters())
