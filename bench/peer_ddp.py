@@ -101,6 +101,27 @@ def _correct(model: torch.nn.Module, loader: DataLoader) -> int:
     return correct
 
 
+def train_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
+                opt_cfg, seen: int, total_samples: int, step_samples: int
+                ) -> tuple[torch.Tensor, int]:
+    """One epoch of the peer's training loop (also what ``engine_tax.py`` times): the learning
+    rate set from the samples seen, forward, backward (DDP reduces the gradients), clipping and
+    the step. Returns this rank's summed loss and the samples seen after the epoch."""
+    loss_sum = torch.zeros(())
+    for pixels, target in loader:
+        for group in optimizer.param_groups:
+            group["lr"] = opt_cfg.lr * lr_factor(seen / total_samples, opt_cfg)
+        loss = F.cross_entropy(model(pixels), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if opt_cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
+        optimizer.step()
+        loss_sum += loss.detach()
+        seen += step_samples
+    return loss_sum, seen
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
@@ -136,19 +157,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     history: list[dict[str, Any]] = []
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
-        loss_sum = torch.zeros(())
         t0 = time.perf_counter()
-        for pixels, target in loader:
-            for group in optimizer.param_groups:
-                group["lr"] = opt_cfg.lr * lr_factor(seen / total_samples, opt_cfg)
-            loss = F.cross_entropy(model(pixels), target)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if opt_cfg.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
-            optimizer.step()
-            loss_sum += loss.detach()
-            seen += per_worker * world
+        loss_sum, seen = train_epoch(model, loader, optimizer, opt_cfg, seen, total_samples,
+                                     per_worker * world)
         train_time = time.perf_counter() - t0
 
         t1 = time.perf_counter()

@@ -148,3 +148,25 @@ def test_sparse_checkpoints_split_the_time_between_them_per_epoch():
     # Epochs 2-3: 2 s of evaluation and 3 s besides, over two epochs.
     assert compare_report.breakdown({"peer": [run]})["peer"]["per_epoch_overhead_s"] == \
         pytest.approx(2.5)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_engine_tax_times_both_loops_on_the_same_ranks(tmp_path):
+    import json
+
+    import engine_tax
+    import yaml
+
+    cfg = tiny_config(tmp_path).model_dump(mode="json")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert engine_tax.main(["--config", str(path), "--rounds", "2",
+                            "--out", str(tmp_path / "out")]) == 0
+    got = json.loads((tmp_path / "out" / "engine_tax.json").read_text())
+    assert got["ranks"] == 2 and [r["round"] for r in got["rows"]] == [1, 2]
+    for row in got["rows"]:
+        assert row["engine"] > 0 and row["peer"] > 0 and row["engine_cpu"] > 0
+    taxes = sorted(r["engine"] / r["peer"] - 1 for r in got["rows"])
+    assert got["tax_median"] == pytest.approx(sum(taxes) / 2)
+    assert got["tax_min"] == taxes[0] and got["tax_max"] == taxes[1]

@@ -82,3 +82,15 @@ def test_only_the_comm_module_communicates():
     assert [c for p in files for c in communication_calls(p)] == []
     # The checker sees a real call.
     assert communication_calls(PKG / "runtime" / "comm.py")
+
+
+def test_controller_actor_starts_without_torch():
+    # The controller actor starts beside the training workers at every run's start, on the
+    # same CPUs: importing torch there would add a second or two of CPU to the start-up.
+    import subprocess
+    import sys
+
+    code = "import sys, pt_ray.service.controller; print(sorted({'torch', 'timm'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

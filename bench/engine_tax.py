@@ -1,0 +1,191 @@
+"""What pt-ray's engine costs per epoch against plain DDP, with nothing frozen at K = 1.
+
+``compare.py`` measures the engine tax (its ``dp`` arm against the peer) across whole Ray
+Train runs, where worker start-up, reports and whatever else runs on the host move a single
+ratio by 10-30% on this 2-core machine. This script takes Ray out and interleaves the two
+loops in the same processes, epoch by epoch, so that both see the same machine at the same
+moment:
+
+- N forked gloo processes (one thread each, ``file://`` rendezvous) build the job's dataset
+  and two copies of its model from the seed;
+- the engine: an :class:`~pt_ray.runtime.engine.ElasticWorker` with a
+  :class:`~pt_ray.runtime.engine.LocalController`, ``freeze.policy=none`` and
+  ``pipeline_length=1`` (R = N, DDP over the data-parallel group), running
+  :meth:`~pt_ray.runtime.engine.ElasticWorker.train_epoch`;
+- the peer: ``peer_ddp.train_epoch``, the loop of ``compare.py``'s peer arm (``DataLoader``
+  over a ``DistributedSampler``, DDP, AdamW, clipping, the same schedule);
+- each round runs one epoch of each, in ``abba`` order.
+
+It prints, per round and as medians, each loop's training time (the slowest rank's, the
+figure ``compare.py`` sums) and CPU time, and engine / peer - 1. Evaluation is off in both.
+With ``--profile`` rank 0 also prints the functions that take the most time in one more
+epoch of each loop (cProfile, cumulative time).
+
+  .venv/bin/python bench/engine_tax.py [--config FILE] [--set k=v ...] [--rounds 8]
+      [--out bench/out/engine_tax] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # dist_utils: the forked gloo ranks the tests use
+
+import peer_ddp  # noqa: E402
+from dist_utils import run_ranks  # noqa: E402
+
+from pt_ray.api import resolve_config  # noqa: E402
+from pt_ray.control import build_control_state  # noqa: E402
+from pt_ray.data.registry import build_dataset  # noqa: E402
+from pt_ray.plan import CostTable  # noqa: E402
+from pt_ray.runtime.engine import ElasticWorker, LocalController  # noqa: E402
+from pt_ray.runtime.reference import build_model_for  # noqa: E402
+
+
+def _engine(cfg, splits):
+    adapter = build_model_for(cfg, splits)
+    control = build_control_state(cfg, adapter.num_layers, dist.get_world_size(),
+                                  len(splits.train) // cfg.data.batch_size)
+    # Fixed costs: the plan is K = 1 whatever they say, and profiling is not what is timed.
+    costs = CostTable.from_param_counts(1.0, [1.0] * adapter.num_layers, 1.0)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control), costs=costs)
+    worker.start()
+    return worker
+
+
+class _Peer:
+    """``compare.py``'s peer loop over WORLD, built as ``peer_ddp.train_loop_per_worker``
+    builds it (``prepare_model`` on CPUs is a plain ``DistributedDataParallel``)."""
+
+    def __init__(self, cfg, splits) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.cfg = cfg
+        self.model = DistributedDataParallel(build_model_for(cfg, splits).model)
+        self.per_worker = cfg.data.batch_size // world
+        train = peer_ddp._Samples(splits.train)
+        self.sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
+                                          seed=cfg.seed, drop_last=True)
+        self.loader = DataLoader(train, batch_size=self.per_worker, sampler=self.sampler,
+                                 drop_last=True, num_workers=cfg.data.num_workers)
+        self.optimizer = torch.optim.AdamW(
+            peer_ddp._param_groups(self.model, cfg.optimizer.weight_decay),
+            lr=cfg.optimizer.lr, betas=cfg.optimizer.betas)
+        self.total = cfg.epochs * len(self.loader) * cfg.data.batch_size
+        self.seen = 0
+
+    def epoch(self, epoch: int) -> float:
+        self.sampler.set_epoch(epoch)
+        t0 = time.perf_counter()
+        _, self.seen = peer_ddp.train_epoch(self.model, self.loader, self.optimizer,
+                                            self.cfg.optimizer, self.seen, self.total,
+                                            self.cfg.data.batch_size)
+        return time.perf_counter() - t0
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _profiled(label: str, run) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+    return f"--- {label} ---\n{out.getvalue()}"
+
+
+def _rank(rank: int, world: int, cfg, rounds: int, profile: bool) -> dict:
+    torch.manual_seed(cfg.seed)
+    splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    engine, peer = _engine(cfg, splits), _Peer(cfg, splits)
+    rows = []
+    for r in range(rounds + 1):  # round 0 warms both up and is not counted
+        order = ("engine", "peer") if r % 2 == 0 else ("peer", "engine")
+        row = {"round": r}
+        for arm in order:
+            cpu = time.process_time()
+            if arm == "engine":
+                rec = engine.train_epoch(r)
+                train = rec.epoch_time_s  # already the slowest rank's
+            else:
+                train = _slowest(peer.epoch(r))
+            row[arm] = train
+            row[f"{arm}_cpu"] = _slowest(time.process_time() - cpu)
+        rows.append(row)
+        if rank == 0 and r:
+            print(f"round {r}: engine {row['engine']:.3f} s, peer {row['peer']:.3f} s, "
+                  f"tax {row['engine'] / row['peer'] - 1:+.1%}", flush=True)
+    report = ""
+    if profile and rank == 0:
+        # One more epoch each; the other ranks run theirs unprofiled alongside.
+        report += _profiled("engine", lambda: engine.train_epoch(rounds + 1))
+        report += _profiled("peer", lambda: peer.epoch(rounds + 1))
+    elif profile:
+        engine.train_epoch(rounds + 1)
+        peer.epoch(rounds + 1)
+    engine.close()
+    return {"rows": rows[1:], "profile": report}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", help="a run config (default: the default job)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--rounds", type=int, default=8, help="counted rounds (one epoch each)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "engine_tax")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    rounds = args.rounds
+    cfg = resolve_config(args.config, [
+        *args.set, "freeze.policy=none", "pipeline.pipeline_length=1", "cache.mode=off",
+        f"epochs={rounds + 3}", "eval_every=1000", "logging.every_steps=0"])
+    peer_ddp.check_config(cfg)
+    world = cfg.pipeline.num_workers
+    print(f"{cfg.name}: {world} ranks, {rounds} rounds of one epoch per loop (abba order)",
+          flush=True)
+    results = run_ranks(_rank, world, cfg, rounds, args.profile, timeout=7200)
+    rows = results[0]["rows"]
+    tax = [row["engine"] / row["peer"] - 1 for row in rows]
+    cpu_tax = [row["engine_cpu"] / row["peer_cpu"] - 1 for row in rows]
+    summary = {
+        "config": cfg.name, "ranks": world, "rounds": rounds,
+        "engine_s": statistics.median(r["engine"] for r in rows),
+        "peer_s": statistics.median(r["peer"] for r in rows),
+        "tax_median": statistics.median(tax), "tax_min": min(tax), "tax_max": max(tax),
+        "cpu_tax_median": statistics.median(cpu_tax),
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine_tax.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nengine tax at K=1 (engine / peer - 1, training time per epoch): "
+          f"median {summary['tax_median']:+.1%} (range {summary['tax_min']:+.1%} .. "
+          f"{summary['tax_max']:+.1%}); CPU time {summary['cpu_tax_median']:+.1%}\n"
+          f"median epoch: engine {summary['engine_s']:.3f} s, peer {summary['peer_s']:.3f} s\n"
+          f"wrote {args.out / 'engine_tax.json'}")
+    if results[0]["profile"]:
+        print(results[0]["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
