@@ -84,13 +84,19 @@ def test_only_the_comm_module_communicates():
     assert communication_calls(PKG / "runtime" / "comm.py")
 
 
-def test_controller_actor_starts_without_torch():
+@pytest.mark.parametrize(("module", "banned"), [
     # The controller actor starts beside the training workers at every run's start, on the
-    # same CPUs: importing torch there would add a second or two of CPU to the start-up.
+    # same CPUs: torch there would add a second or two of CPU to the start-up.
+    ("pt_ray.service.controller", ("torch", "timm", "transformers")),
+    # A timm run's workers (and the driver's preflight) never need transformers, which takes
+    # seconds of CPU to import: only model.family=hf loads it.
+    ("pt_ray.service.worker", ("transformers",)),
+])
+def test_what_a_run_starts_imports_only_what_it_needs(module, banned):
     import subprocess
     import sys
 
-    code = "import sys, pt_ray.service.controller; print(sorted({'torch', 'timm'} & set(sys.modules)))"
+    code = f"import sys, {module}; print(sorted(set({banned!r}) & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]"
