@@ -221,7 +221,9 @@ def test_four_ranks_measure_their_stages_exactly_through_k_4_2_1():
             # frozen layers none.
             steps = F32 * sum(tensors[n] for n in trained)
             assert m.optimizer_bytes - steps == 2 * sum(sizes[n] for n in trained)
-            assert m.held_param_bytes == whole  # every rank still builds the whole model
+            # A rank holds its stage's layers only (the rest are on the meta device).
+            assert m.held_param_bytes == m.param_bytes < whole or plan.pipeline_length == 1
+            assert m.held_param_bytes == m.param_bytes
             assert m.activation_bytes > 0 and not m.cuda
             assert m.peak_bytes == (m.param_bytes + m.grad_bytes + m.optimizer_bytes
                                     + m.activation_bytes)

@@ -2,8 +2,10 @@
 
 Each rank writes ``shard-rank<r>.pt`` with the layers whose authoritative copy it holds
 (replica 0's holders): parameters and, for layers that still train, their optimizer state, and
-beside it ``shard-rank<r>.json``, the shard's size and SHA-256. Rank 0 also writes ``meta.json``
-(epoch, step, samples seen, the plan, the controller's state, and ``num_shards``). Shards are
+beside it ``shard-rank<r>.json``, the shard's size, SHA-256 and the names of the layers it holds
+(the index by which a restoring rank reads only the shards of its own layers). Rank 0 also
+writes ``meta.json`` (epoch, step, samples seen, the plan, the controller's state, and
+``num_shards``). Shards are
 keyed by layer name, not by rank, so a restart under any plan (or any number of workers) finds
 every layer it needs wherever it was saved.
 
@@ -36,11 +38,12 @@ def write_shard(
     directory: Path, rank: int, layers: dict[str, dict[str, Any]]
 ) -> Path:
     """Write one rank's layers, ``{layer: {"params": state_dict, "optim": [state per param]}}``,
-    and then its manifest (size and SHA-256)."""
+    and then its manifest (size, SHA-256 and the layer names, ``__norms__`` left out)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"shard-rank{rank}.pt"
     torch.save(layers, path)
-    manifest = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
+                "layers": sorted(n for n in layers if not n.startswith("__"))}
     path.with_suffix(".json").write_text(json.dumps(manifest))
     return path
 
@@ -135,7 +138,12 @@ def usable_checkpoint(directory: Path) -> Path:
 def load_layers(
     directory: Path, names: list[str]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Find and load the listed layers from every shard in ``directory`` (each read once).
+    """Find and load the listed layers from the shards in ``directory`` that hold them (each
+    read once).
+
+    The shards' manifests name their layers, so only the shards holding a listed layer are
+    read: a rank restoring its stage reads its own layers, not the whole model. A checkpoint
+    whose manifests lack the names (written before they had them) is read whole.
 
     Returns:
         ``(layers, norms)``: the layers by name, and the gradient-norm meter of the interval in
@@ -147,7 +155,7 @@ def load_layers(
     found: dict[str, dict[str, Any]] = {}
     norms: dict[str, Any] = {"sums": {}, "steps": 0}
     wanted = set(names)
-    for shard in sorted(Path(directory).glob("shard-rank*.pt")):
+    for shard in _shards_holding(Path(directory), wanted):
         layers = torch.load(shard, map_location="cpu", weights_only=False)
         for name in wanted & set(layers):
             found[name] = layers[name]
@@ -161,6 +169,27 @@ def load_layers(
             f"checkpoint {directory} holds no shard with layers {sorted(missing)}"
         )
     return found, norms
+
+
+def _shards_holding(directory: Path, wanted: set[str]) -> list[Path]:
+    """The shard files that hold a layer of ``wanted``, by their manifests; every shard when a
+    manifest is missing or names no layers (an older checkpoint).
+
+    The gradient-norm meter of a block travels in the shard of the rank that trained it, which
+    is the shard holding the block, so the shards read carry the norms of the wanted blocks.
+    """
+    shards = sorted(directory.glob("shard-rank*.pt"))
+    chosen = []
+    for shard in shards:
+        try:
+            listed = json.loads(shard.with_suffix(".json").read_text()).get("layers")
+        except (OSError, ValueError):
+            listed = None
+        if listed is None:
+            return shards
+        if wanted & set(listed):
+            chosen.append(shard)
+    return chosen
 
 
 def load_parameters(directory: Path, adapter: ModelAdapter) -> dict[str, Any]:

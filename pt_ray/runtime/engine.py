@@ -69,6 +69,7 @@ from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
 from pt_ray.runtime.memory import FIELDS, MemoryMeter, rank_memory
 from pt_ray.runtime.migrate import LayerStates, collect_layer_state, migrate
+from pt_ray.runtime.owned import is_held, materialise, release, to_device
 from pt_ray.runtime.optim import (
     build_optimizer,
     layer_param_groups,
@@ -96,7 +97,8 @@ class ElasticWorker:
 
     Args:
         cfg: the run configuration.
-        adapter: the model, built from the same seed on every rank.
+        adapter: the model, built whole on the host from the same seed on every rank; from
+            the first plan on the rank keeps only its stage's layers, on ``device``.
         splits: the datasets (every rank reads the samples it needs by index).
         controller: where costs and norms go and plans come from.
         device: this rank's device (default: CPU).
@@ -175,7 +177,8 @@ class ElasticWorker:
         self.snapshots: dict[int, dict] = {}
         self.norms = GradNormMeter()
         self._loss_weight = 1.0  # the current pass's share of the step (gradient accumulation)
-        adapter.model.to(self.device)
+        # The model stays on the host, where the adapter built it, until the first plan says
+        # which layers this rank holds: only those reach the device (:mod:`.owned`).
         self.memory = MemoryMeter(self.modules, self.device)
 
     # -- plans ---------------------------------------------------------------------------------
@@ -189,6 +192,9 @@ class ElasticWorker:
                     // self.world)
             batch = gather(self.splits.train, list(range(min(n, len(self.splits.train)))))
             batch = _to(batch, self.device)
+            # Profiling times every layer on the device: the whole model is there until the
+            # first plan releases what this rank does not hold.
+            to_device(self.adapter.model, self.device)
             costs = profile_costs(self.adapter, batch, precision=self.precision)
             if self.prefix is not None:
                 self.prefix.set_costs(costs)
@@ -206,16 +212,25 @@ class ElasticWorker:
         if self.plan is not None and plan.generation == self.plan.generation:
             return 0.0
         t0 = time.perf_counter()
+        stage = plan.coords(self.rank)[1]
         if self.plan is None:
             states = restored or {}
+            if self.world > 1:
+                # The shapes between stages are learnt while embed, block 0 and the head are
+                # still here (every later plan reuses them).
+                self._probe()
         else:
             midway = None
             if self.fault is not None:
                 midway = partial(self.fault.at, "migration", self._epoch)
+            for name in plan.stage_layers(stage):
+                if not is_held(self.modules[name]):  # it arrives by migration, into this storage
+                    materialise(self.modules[name], self.device)
             states = migrate(self.comm, self.modules, self.optimizer, self.plan, plan, self.rank,
                              midway=midway)
             self._ddp = None  # it holds the data-parallel group destroyed next
             self.topo.destroy()
+        self._hold(plan, stage)
         for name in frozen_layer_names(plan.num_frozen):
             for p in self.modules[name].parameters():
                 p.requires_grad_(False)
@@ -264,10 +279,29 @@ class ElasticWorker:
             logger.info("rank 0 entered %s in %.3f s", plan.describe(), elapsed)
         return elapsed
 
+    def _hold(self, plan: Plan, stage: int) -> None:
+        """Keep in storage, on the device, exactly the layers ``plan`` gives ``stage``: the
+        others are released (their storage freed; the optimizer built next leaves them out).
+
+        Raises:
+            RuntimeError: a layer of the stage has no storage here (nothing brought it).
+        """
+        owned = set(plan.stage_layers(stage))
+        for name, module in self.modules.items():
+            if name not in owned:
+                release(module)
+            elif not is_held(module):
+                raise RuntimeError(f"rank {self.rank} holds no storage for {name}, which "
+                                   f"{plan.describe()} gives its stage {stage}")
+        # Owned layers and what no layer owns (e.g. non-persistent buffers) go to the device.
+        to_device(self.adapter.model, self.device)
+
     def _probe(self) -> Shapes:
         """The shapes crossing stage boundaries (learnt once, from one training sample)."""
         if self._shapes is None:
             sample = _to(gather(self.splits.train, [0]), self.device)
+            for module in (self.adapter.embed, self.adapter.blocks[0], self.adapter.head):
+                to_device(module, self.device)
             self._shapes = probe_shapes(self.adapter, sample.inputs, self.precision)
         return self._shapes
 
@@ -453,6 +487,7 @@ class ElasticWorker:
                         p.requires_grad_(True)
             for name, entry in snap["layers"].items():
                 module = self.modules[name]
+                materialise(module, self.device)  # given away since the snapshot, perhaps
                 module.load_state_dict(entry["params"])
                 if "optim" in entry:
                     states[name] = [
@@ -728,6 +763,7 @@ class ElasticWorker:
         with torch.no_grad():
             for name in names:
                 module = self.modules[name]
+                materialise(module, self.device)
                 module.load_state_dict(loaded[name]["params"])
                 if is_trainable(plan, name) and "optim" in loaded[name]:
                     states[name] = [

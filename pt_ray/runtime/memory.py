@@ -23,8 +23,9 @@ What the figures count:
    CPU there is no such figure for a process's tensors, so the peak is the tracked sum of 1 and
    2: a lower bound of what the stage needs at once.
 
-Every rank builds the whole model (only its stage's layers train), so ``held_param_bytes``, the
-parameters of every layer in the process, is the whole model's on every rank.
+``held_param_bytes`` counts the parameters that have storage in the process: a rank holds only
+the layers its plan gives it (:mod:`pt_ray.runtime.owned`; the others are on the ``meta``
+device), so it equals ``param_bytes``, the stage's own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from pt_ray.runtime.owned import held_param_bytes
 from pt_ray.summary import RankMemory
 
 __all__ = ["FIELDS", "MemoryMeter", "SavedActivations", "rank_memory", "tensor_bytes"]
@@ -134,7 +136,8 @@ class MemoryMeter:
         self.generation: int | None = None  # the plan under which activations were counted
 
     def _params(self) -> list[torch.nn.Parameter]:
-        return [p for m in self.modules.values() for p in m.parameters()]
+        """The parameters with storage here (released layers' are ``meta`` tensors)."""
+        return [p for m in self.modules.values() for p in m.parameters() if not p.is_meta]
 
     def start_epoch(self) -> None:
         """Reset CUDA's peak (before the epoch's first step)."""
@@ -176,7 +179,7 @@ class MemoryMeter:
         acts = self.saved.peak
         cuda = self.device.type == "cuda"
         peak = torch.cuda.max_memory_allocated(self.device) if cuda else param + grad + optim + acts
-        held = sum(tensor_bytes(p) for p in self._params())
+        held = held_param_bytes(self.modules.values())
         return [float(v) for v in (stage, param, grad, optim, acts, peak, held, cuda)]
 
 

@@ -87,8 +87,9 @@ def migrate(
 
     Args:
         comm: the run's communication (every tensor moves on its device).
-        modules: every layer's module by name (every rank holds all modules; only the layers it
-            holds under a plan are up to date).
+        modules: every layer's module by name. A rank sends only layers it holds; a layer it
+            receives must have storage already (the engine materialises it empty first), and
+            the engine releases what it gave away afterwards.
         optimizer: this rank's optimizer under ``old`` (its per-parameter state is read).
         old: the plan being left.
         new: the plan being entered.

@@ -78,7 +78,8 @@ class StageModule(nn.Module):
     stage trains); the frozen prefix is held aside and always runs without gradients.
 
     Args:
-        adapter: the model (every rank holds all of it; a stage uses its slice).
+        adapter: the model (a rank holds in storage only its stage's slice, which is all a
+            stage uses; :mod:`pt_ray.runtime.owned`).
         plan: the layout.
         stage: this stage's index in ``[0, K)``.
         state_inputs: stage 0's forward takes the frozen prefix's output (the activation cache
