@@ -14,10 +14,14 @@ Three epochs:
 
 Reports objects and bytes after each epoch (one object per sample would be ``--samples``
 objects; the cache keeps at most ``samples / block_size``), hit rates and timings; writes
-``<out>/cache_objects.json``. Usage:
+``<out>/cache_objects.json``. With ``--nodes N`` the run is on a cluster of N nodes on this
+machine (``ray.cluster_utils.Cluster``, each node with its own ``--store-mib`` object store and
+one owner), replica r pinned to node ``r % N``, and each epoch also reports per node: bytes,
+objects, local and remote reads (objects) and refused rows. Usage:
 
     python bench/cache_objects.py [--samples 100000] [--block-size 64] [--batch 256]
-                                  [--replicas 2] [--tokens 5] [--width 64] [--out bench/out]
+                                  [--replicas 2] [--tokens 5] [--width 64] [--nodes 1]
+                                  [--out bench/out]
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from torch import nn
 
 from pt_ray.data.sampler import CacheBlocks
 from pt_ray.runtime.prefix import CachedPrefix
-from pt_ray.service.cache import CacheActor, RayStore, object_store_report
+from pt_ray.service.cache import (
+    CacheActor,
+    RayStore,
+    cache_name,
+    create_owners,
+    object_store_report,
+    owners_report,
+)
 
 
 class _Embed(nn.Module):
@@ -59,7 +70,8 @@ class _Block(nn.Module):
 class Replica:
     """Stage 0 of one replica."""
 
-    def __init__(self, name: str, blocks: CacheBlocks, tokens: int, width: int) -> None:
+    def __init__(self, name: str | dict[str, str], blocks: CacheBlocks, tokens: int,
+                 width: int) -> None:
         torch.set_num_threads(1)
         model = types.SimpleNamespace(embed=_Embed(tokens, width), blocks=[_Block(), _Block()])
         self.store = RayStore(name, timeout_s=60)
@@ -77,6 +89,9 @@ class Replica:
         return {"rows": c.rows, "hits": c.hits, "advanced": c.advanced, "misses": c.misses,
                 "io_s": c.io_s, "epoch_s": time.perf_counter() - t0}
 
+    def flush(self) -> None:
+        self.store.flush()
+
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -86,20 +101,43 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=5, help="state rows per sample")
     ap.add_argument("--width", type=int, default=64, help="hidden size")
-    ap.add_argument("--store-mib", type=int, default=1024, help="object store of the cluster")
+    ap.add_argument("--store-mib", type=int, default=1024,
+                    help="object store of the cluster (of each node with --nodes)")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes of a local multi-node cluster")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     args = ap.parse_args(argv)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=max(2, args.replicas), include_dashboard=False,
-             object_store_memory=args.store_mib * 2**20, logging_level=logging.WARNING)
+    cluster = None
+    if args.nodes > 1:
+        from ray.cluster_utils import Cluster
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "object_store_memory": args.store_mib * 2**20,
+            "include_dashboard": False})
+        for _ in range(args.nodes):
+            cluster.add_node(num_cpus=1, object_store_memory=args.store_mib * 2**20)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level=logging.WARNING)
+    else:
+        ray.init(address="local", num_cpus=max(2, args.replicas), include_dashboard=False,
+                 object_store_memory=args.store_mib * 2**20, logging_level=logging.WARNING)
     try:
         name = f"bench-cache-{uuid.uuid4().hex[:6]}"
-        actor = CacheActor.options(name=name).remote(0.8)
         blocks = CacheBlocks(args.samples, args.block_size, seed=0)
-        replicas = [Replica.remote(name, blocks, args.tokens, args.width)
-                    for _ in range(args.replicas)]
+        if cluster is None:
+            owners = {"": CacheActor.options(name=name).remote(0.8)}
+            replicas = [Replica.remote(name, blocks, args.tokens, args.width)
+                        for _ in range(args.replicas)]
+        else:
+            owners = create_owners(name, 0.8)
+            names = {node: cache_name(name, node) for node in owners}
+            nodes = sorted(owners)
+            replicas = [Replica.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                nodes[r % len(nodes)], soft=False)).remote(names, blocks, args.tokens, args.width)
+                for r in range(args.replicas)]
         epochs = []
         for epoch, level in enumerate((1, 2, 2)):
             order = blocks.order(0, epoch)
@@ -109,10 +147,13 @@ def main(argv: list[str] | None = None) -> dict:
                       for r in range(args.replicas)]
             t0 = time.perf_counter()
             per = ray.get([rep.epoch.remote(shares[r], level) for r, rep in enumerate(replicas)])
-            # As in training, incomplete blocks are stored once every replica ended the epoch.
-            ray.get(actor.flush.remote())
+            # As in training, incomplete blocks are stored once every replica ended the epoch
+            # (on several nodes, each node's owner then copies in what the others hold).
+            ray.get([rep.flush.remote() for rep in replicas])
+            ray.get([owner.flush.remote() for owner in owners.values()])
             wall = time.perf_counter() - t0
-            stats = ray.get(actor.stats.remote())
+            report = owners_report(owners)
+            stats = types.SimpleNamespace(**{k: v for k, v in report.items() if k != "nodes"})
             total = {k: sum(p[k] for p in per) for k in ("rows", "hits", "advanced", "misses")}
             epochs.append({
                 "epoch": epoch, "depth": level, **total,
@@ -121,17 +162,29 @@ def main(argv: list[str] | None = None) -> dict:
                 "pending_bytes": stats.pending_bytes, "refused_rows": stats.refused_rows,
                 "released_objects": stats.released_objects, "wall_s": wall,
                 "read_s_per_replica": max(p["io_s"] for p in per),
+                "nodes": report["nodes"] if cluster is not None else {},
             })
             e = epochs[-1]
             print(f"epoch {epoch} depth {level}: {e['objects']} objects, "
                   f"{e['bytes'] / 2**20:.1f} MiB, hits {e['hit_rate']:.0%} "
                   f"(advanced {e['advanced']}, misses {e['misses']}), "
                   f"{e['refused_rows']} refused, {wall:.1f} s")
+            before = epochs[-2]["nodes"] if len(epochs) > 1 else {}
+            for node, n in sorted(e["nodes"].items()):
+                was = before.get(node, {})
+                print(f"  node {node[:8]}: {n.get('bytes', 0) / 2**20:.1f} MiB, "
+                      f"{n.get('objects', 0)} objects, reads this epoch "
+                      f"{n.get('local_reads', 0) - was.get('local_reads', 0)} local / "
+                      f"{n.get('remote_reads', 0) - was.get('remote_reads', 0)} remote, "
+                      f"{n.get('refused_rows', 0)} rows refused, "
+                      f"{n.get('spilled_bytes', 0) / 2**20:.1f} MiB spilled")
         result = {
             "samples": args.samples, "block_size": args.block_size, "batch": args.batch,
             "replicas": args.replicas, "row_bytes": args.tokens * args.width * 4,
             "num_blocks": blocks.num_blocks, "max_objects_allowed": args.samples / 64,
-            "max_objects": max(e["objects"] for e in epochs),
+            # Per store: each node's owner holds at most one object per block.
+            "max_objects": max(max((n.get("objects", 0) for n in e["nodes"].values()),
+                                   default=e["objects"]) for e in epochs),
             "epochs": epochs, "object_store": object_store_report(),
         }
         assert result["max_objects"] <= args.samples / args.block_size
@@ -142,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
         return result
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
 
 
 if __name__ == "__main__":

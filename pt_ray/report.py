@@ -34,6 +34,7 @@ from pt_ray.summary import ideal_speedup
 __all__ = [
     "Transition",
     "cache_epochs",
+    "cache_nodes_table",
     "format_comparison",
     "format_table",
     "load_summary",
@@ -206,8 +207,32 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
     if baseline is not None:
         foot += "\n" + _speedup_line(s, load_summary(baseline))
     memory = memory_table(s)
+    nodes = cache_nodes_table(s)
     return "\n".join([title, line(head), rule, *(line(r) for r in rows), rule, foot]
-                     + (["", memory] if memory else []))
+                     + (["", memory] if memory else []) + (["", nodes] if nodes else []))
+
+
+def cache_nodes_table(summary: SummaryLike) -> str:
+    """The activation cache per node at the end of a run (``cache.nodes`` of the summary):
+    bytes, objects, reads of the node's workers served on the node and from other nodes
+    (objects), rows refused (budget or backlog) and bytes the node's store spilled to disk;
+    ``""`` for a run without it."""
+    s = load_summary(summary)
+    nodes = (s.get("cache") or {}).get("nodes") or {}
+    if not nodes:
+        return ""
+    head = ["node", "MiB", "objects", "local reads", "remote reads", "refused rows",
+            "spilled MiB"]
+    rows = [[node[:12], _fmt(n.get("bytes", float("nan")) / 2**20, ".1f"),
+             str(n.get("objects", "-")), str(n.get("local_reads", "-")),
+             str(n.get("remote_reads", "-")), str(n.get("refused_rows", "-")),
+             _fmt(n.get("spilled_bytes", float("nan")) / 2**20, ".1f")]
+            for node, n in sorted(nodes.items())]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    out = ["activation cache per node (reads in objects)",
+           "  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
 
 
 def memory_table(summary: SummaryLike) -> str:
@@ -249,11 +274,16 @@ def memory_table(summary: SummaryLike) -> str:
     def line(cells: list[str]) -> str:
         return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
 
-    held = max(m["held_param_bytes"] for r in shown for m in r["memory"])
+    rows_held = [m for r in shown for m in r["memory"]]
+    if all(m["held_param_bytes"] == m["param_bytes"] for m in rows_held):
+        note = "(each rank holds only its stage's parameters; the rest are on the meta device)"
+    else:  # a summary from before ranks released the layers they do not run
+        held = max(m["held_param_bytes"] for m in rows_held)
+        note = (f"(every rank holds all {held / scale:,.1f} {unit} of the model's parameters: "
+                "each still builds the whole model)")
     title = (f"memory per rank ({unit}) in the first epoch of each layout: its stage's parameters, "
              "gradients, optimizer state and saved activations, its peak, the planner's estimate\n"
-             f"(every rank holds all {held / scale:,.1f} {unit} of the model's parameters: each "
-             "still builds the whole model)")
+             + note)
     return "\n".join([title, line(head), "-" * len(line(head)), *(line(r) for r in rows)])
 
 

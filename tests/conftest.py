@@ -23,17 +23,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# The session cluster's arguments (a test that needs another cluster starts this one again).
+SESSION_RAY = {"address": "local", "num_cpus": 4, "include_dashboard": False,
+               "object_store_memory": 256 * 2**20, "logging_level": "WARNING"}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """One local Ray cluster for the whole session (never `ray stop`: only this one ends)."""
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        object_store_memory=256 * 2**20,
-        logging_level="WARNING",
-    )
+    ray.init(**SESSION_RAY)
     yield
     ray.shutdown()

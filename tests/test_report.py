@@ -332,3 +332,18 @@ def test_table_and_png_show_a_rollback(tmp_path):
             "the train time above)") in table
     assert "rollback" not in format_table(make_summary())
     assert render_report(s, tmp_path / "r.png").stat().st_size > 30_000
+
+
+def test_cache_nodes_table_shows_each_node_and_is_empty_without_them():
+    from pt_ray.report import cache_nodes_table
+
+    node = {"bytes": 3 * 2**20, "objects": 8, "local_reads": 16, "remote_reads": 0,
+            "refused_rows": 2, "spilled_bytes": 0}
+    table = cache_nodes_table({"timeline": [{"epoch": 0}], "cache": {"nodes": {
+        "a" * 40: node, "b" * 40: {**node, "remote_reads": 5}}}})
+    lines = table.splitlines()
+    assert lines[0].startswith("activation cache per node") and len(lines) == 4
+    assert lines[2].split() == ["a" * 12, "3.0", "8", "16", "0", "2", "0.0"]
+    assert lines[3].split()[4] == "5"
+    assert cache_nodes_table({"timeline": [{"epoch": 0}], "cache": {}}) == ""
+    assert cache_nodes_table({"timeline": [{"epoch": 0}]}) == ""

@@ -1,60 +1,131 @@
-"""The activation cache in Ray's object store: one owner actor per run, and the workers' handle.
+"""The activation cache in Ray's object store: one owner actor per node, and the workers' handle.
 
 An object belongs to the process that ``ray.put`` it and dies with it (``_owner=`` is gone since
 Ray 2.56), and Ray Train's workers die at every restart. So the driver creates one
-:class:`CacheActor` per run, beside the controller; it owns every cache object:
+:class:`CacheActor` per node that may run a worker (:func:`create_owners`), pinned there
+(node affinity, not soft), beside the controller; each owns the cache objects of its node:
 
-1. stage-0 workers send the rows they computed without waiting, a few MiB per call
-   (``put_many.remote``; a worker with too many sends in flight drops the next ones, so a slow
-   actor never stalls a step), and the rest at the end of the epoch;
-2. the actor assembles the rows of each block at each depth into one object
-   (:class:`pt_ray.runtime.cache.BlockIndex`), ``ray.put`` it, and keeps the index
-   ``(block, depth) -> ref``; a deeper object releases the shallower ones it covers, and past
-   the byte budget new rows are refused;
-3. a worker asks the actor for the refs of every block at its depth once per epoch (an epoch
-   reads each sample once, so rows written during it are read in the next), then a step
-   ``ray.get`` s the blocks it needs: numpy arrays, zero-copy from the node's store (fetched from
-   another node's when written there).
+1. a stage-0 worker ``ray.put`` s the rows it computed, a few MiB per object, into its node's
+   store, and hands the reference to its own node's owner without waiting (``put_refs``; a
+   worker with too many sends in flight drops the next ones, so a slow owner never stalls a
+   step), and the rest at the end of the epoch;
+2. the owner reads them from the same node's store (shared memory, no network) and assembles
+   the rows of each block at each depth into one object it puts itself
+   (:class:`pt_ray.runtime.cache.BlockIndex`), keeping the index ``(block, depth) -> ref``; a
+   deeper object releases the shallower ones it covers, and past the budget (a fraction of its
+   own node's object store) new rows are refused;
+3. at the end of an epoch, once every replica's writes have landed, each node's owner copies
+   in the objects that other nodes' owners hold and it lacks (``adopt``): one transfer per
+   object and node, between epochs rather than inside steps;
+4. a worker asks its owner (and, for blocks its node lacks, the other owners) for the refs of
+   every block at its depth once per epoch (an epoch reads each sample once, so rows written
+   during it are read in the next), then a step ``ray.get`` s the blocks it needs: numpy arrays,
+   zero-copy from the node's store. Reads served by another node's owner are counted as remote.
 
-Any failure (the actor gone, an object lost or evicted, a timeout) reads as a miss and the
+Why the owner copies the worker's rows instead of keeping the worker's objects as the cache:
+those would die with the worker (a restart would empty the node's cache) and there would be one
+object per batch rather than one per block. The price is one extra copy inside the node's store
+for a few MiB at a time, freed once the owner has assembled its block. Why every node's owner
+holds every row (step 3) instead of each holding only what its replicas computed: the global
+sampler gives a sample to a different replica each epoch, so a partitioned cache would read
+about ``(R - 1) / R`` of its rows from other nodes in every epoch; the copy makes every read
+after the first epoch at a depth local, at the cost of each node's store holding the whole
+cache (its own budget refuses what does not fit, and those rows are read from the owner that
+has them). A node without an owner (one that joined after the start) writes to and reads from
+the others (remote).
+
+Any failure (an owner gone, an object lost or evicted, a timeout) reads as a miss and the
 prefix is recomputed: never a crash, never a wrong row.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, fields
 from typing import Any
 
 import numpy as np
 import ray
 from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pt_ray.logs import setup_logging
 from pt_ray.runtime.cache import BlockIndex, CacheStats, Payload, Segment
 
-__all__ = ["CacheActor", "RayStore", "cache_name", "object_store_report"]
+__all__ = [
+    "CacheActor",
+    "RayStore",
+    "cache_name",
+    "cache_nodes",
+    "create_owners",
+    "object_store_report",
+    "owners_report",
+]
 
 logger = logging.getLogger(__name__)
 
-
-def cache_name(run_id: str) -> str:
-    """The actor name workers look the cache up by."""
-    return f"pt-ray-cache:{run_id}"
+# One snapshot entry: (block, depth, ref, the owner's name; None for this node's own owner).
+_Entry = tuple[int, int, ray.ObjectRef, str | None]
 
 
-def _node_store_bytes() -> int:
-    """Capacity of this node's object store."""
-    node = ray.get_runtime_context().get_node_id()
+def cache_name(run_id: str, node_id: str | None = None) -> str:
+    """The actor name workers look a cache owner up by (one per node when ``node_id`` is
+    given)."""
+    base = f"pt-ray-cache:{run_id}"
+    return base if node_id is None else f"{base}:{node_id}"
+
+
+def cache_nodes() -> list[str]:
+    """Ids of the alive nodes that can host a training worker (any CPU or GPU): those that get
+    a cache owner."""
+    return [n["NodeID"] for n in ray.nodes()
+            if n.get("Alive") and (n.get("Resources", {}).get("CPU", 0) > 0
+                                   or n.get("Resources", {}).get("GPU", 0) > 0)]
+
+
+def create_owners(run_id: str, budget_fraction: float, budget_bytes: int | None = None
+                  ) -> dict[str, Any]:
+    """One :class:`CacheActor` per node of :func:`cache_nodes`, pinned there; returns
+    ``{node id: actor handle}`` (names: :func:`cache_name` with the node id).
+
+    Created eagerly, before Ray Train places its workers (the driver cannot know which nodes
+    will run a stage 0): an owner costs an idle process and no CPU, and one created later by a
+    worker would die with it."""
+    owners = {}
+    for node in cache_nodes():
+        owners[node] = CacheActor.options(
+            name=cache_name(run_id, node),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(budget_fraction, budget_bytes)
+    return owners
+
+
+def _node_info(node: str) -> dict[str, Any]:
     for info in ray.nodes():
         if info.get("NodeID") == node:
-            return int(info.get("Resources", {}).get("object_store_memory", 0))
-    return 0
+            return info
+    return {}
+
+
+def _node_spill(info: Mapping[str, Any]) -> dict[str, int]:
+    """This node's object-store figures from its raylet (empty when unavailable)."""
+    try:
+        from ray._private.internal_api import node_stats
+
+        s = node_stats(info["NodeManagerAddress"], info["NodeManagerPort"],
+                       include_memory_info=False).store_stats
+        return {"store_used_bytes": int(s.object_store_bytes_used),
+                "spilled_bytes": int(s.spilled_bytes_total),
+                "spilled_objects": int(s.spilled_objects_total)}
+    except Exception as err:  # internal API: report nothing rather than fail the run
+        logger.debug("node store stats unavailable: %s", err)
+        return {}
 
 
 @ray.remote(num_cpus=0)
 class CacheActor:
-    """Owns a run's cache objects and their index (one per run, created by the driver).
+    """Owns one node's cache objects and their index (one per node, created by the driver).
 
     Args:
         budget_fraction: most of this node's object store the cache may fill.
@@ -63,11 +134,15 @@ class CacheActor:
 
     def __init__(self, budget_fraction: float, budget_bytes: int | None = None) -> None:
         setup_logging()
-        capacity = _node_store_bytes()
+        self.node = ray.get_runtime_context().get_node_id()
+        capacity = int(_node_info(self.node).get("Resources", {}).get("object_store_memory", 0))
         budget = budget_bytes or int(budget_fraction * capacity) or 2**30
         self.index: BlockIndex[ray.ObjectRef] = BlockIndex(budget, put=ray.put, load=ray.get)
-        logger.info("activation cache: budget %.0f MiB of a %.0f MiB object store",
-                    budget / 2**20, capacity / 2**20)
+        self.capacity = capacity
+        self.reads = {"local_reads": 0, "remote_reads": 0, "dropped_rows": 0,
+                      "adopted_objects": 0, "lost_pieces": 0}
+        logger.info("activation cache on node %s: budget %.0f MiB of a %.0f MiB object store",
+                    self.node[:8], budget / 2**20, capacity / 2**20)
 
     def put(self, lineage: int, block: int, block_size: int, level: int, ids: np.ndarray,
             arrays: list[np.ndarray], dtypes: list[str]) -> bool:
@@ -81,13 +156,58 @@ class CacheActor:
         how many were admitted."""
         return sum(self.put(lineage, *item) for item in items)
 
-    def lookup(self, blocks: list[int] | None, level: int
-               ) -> list[tuple[int, int, ray.ObjectRef]]:
+    def put_refs(self, lineage: int, refs: list[ray.ObjectRef]) -> int:
+        """:meth:`put_many` for batches a worker of this node put in the node's store (read
+        from shared memory; a batch whose worker died is lost: its rows stay misses)."""
+        admitted = 0
+        for ref in refs:
+            try:
+                items = ray.get(ref)
+            except RayError:
+                self.reads["lost_pieces"] += 1
+                continue
+            admitted += self.put_many(lineage, items)
+        return admitted
+
+    def lookup(self, blocks: list[int] | None, level: int, sized: bool = False
+               ) -> list[tuple]:
         """``(block, depth, ref)`` of the objects of ``blocks`` (None: every block) at
-        ``level`` or shallower; the caller borrows the refs."""
+        ``level`` or shallower, with ``sized`` also their row count; the caller borrows the
+        refs."""
         if blocks is None:
             blocks = list(self.index.objects)
-        return self.index.lookup(blocks, level)
+        entries = self.index.lookup(blocks, level)
+        if not sized:
+            return entries
+        return [(b, lv, ref, len(self.index.objects[b][lv][1])) for b, lv, ref in entries]
+
+    def holdings(self) -> list[tuple[int, int, ray.ObjectRef, np.ndarray]]:
+        """``(block, depth, ref, ids)`` of every object (for another node's :meth:`adopt`)."""
+        return [(b, lv, ref, ids) for b, depths in self.index.objects.items()
+                for lv, (ref, ids, _) in depths.items()]
+
+    def adopt(self, entries: list[tuple[int, int, ray.ObjectRef, np.ndarray]]) -> int:
+        """Copy in other owners' objects ``(block, depth, ref, ids)`` holding rows this node
+        lacks at that depth or deeper (fetched across nodes once; refused past the budget),
+        then store every waiting row; returns how many were admitted."""
+        admitted = 0
+        for block, level, ref, ids in entries:
+            held = self.index.objects.get(block, {})
+            if any(lv > level for lv in held) or (
+                    level in held and np.isin(ids, held[level][1]).all()):
+                continue
+            try:
+                ids, arrays, dtypes = ray.get(ref)
+            except RayError:
+                continue  # the other node's object is gone: its rows stay misses here
+            payload: Payload = (np.array(ids), tuple(np.array(a) for a in arrays),
+                                tuple(dtypes))
+            # Size unknown here: the rows wait until the flush below stores the block.
+            if self.index.add(self.index.lineage, block, 2**62, level, payload):
+                admitted += 1
+                self.reads["adopted_objects"] += 1
+        self.index.flush()
+        return admitted
 
     def flush(self) -> None:
         """Store the rows of incomplete blocks."""
@@ -106,43 +226,87 @@ class CacheActor:
         """The lineage writes must carry to be admitted."""
         return self.index.lineage
 
+    def count(self, local_reads: int, remote_reads: int, dropped_rows: int) -> None:
+        """Add a worker of this node's reads (objects) and the rows it dropped unsent."""
+        self.reads["local_reads"] += local_reads
+        self.reads["remote_reads"] += remote_reads
+        self.reads["dropped_rows"] += dropped_rows
+
     def stats(self) -> CacheStats:
         """The index's figures."""
         return self.index.stats
 
+    def node_stats(self) -> dict[str, Any]:
+        """This node's figures: the index's, the reads of its workers, its store's spills."""
+        s = self.index.stats
+        return {"bytes": s.bytes, "objects": s.objects, "budget_bytes": s.budget_bytes,
+                "capacity_bytes": self.capacity,
+                "local_reads": self.reads["local_reads"],
+                "remote_reads": self.reads["remote_reads"],
+                "refused_rows": s.refused_rows + self.reads["dropped_rows"],
+                "stale_rows": s.stale_rows, "lost_objects": s.lost_objects,
+                "adopted_objects": self.reads["adopted_objects"],
+                **_node_spill(_node_info(self.node))}
+
 
 class RayStore:
-    """The worker side: :class:`pt_ray.runtime.cache.ActivationStore` over the named actor.
+    """The worker side: :class:`pt_ray.runtime.cache.ActivationStore` over the owner actors.
 
-    Reads use a snapshot of the actor's index, taken at the first read of an epoch (or of a new
-    depth) and dropped by :meth:`drain` at the epoch's end: one actor call per epoch instead of
-    one per step. Writes are sent in batches of about ``batch_bytes``.
+    Writes go to this node's owner, in batches of about ``batch_bytes`` put in the node's
+    store. Reads use a snapshot of the owners' indexes, taken at the first read of an epoch
+    (or of a new depth) and dropped by :meth:`drain` at the epoch's end: one call per owner
+    per epoch instead of one per step. Another node's object is read only where this node's
+    owner holds fewer rows of that block (at any depth). :meth:`flush` (end of an epoch)
+    has this node's owner copy in what the others hold.
 
     Args:
-        name: the cache actor's name (:func:`cache_name`).
+        owners: ``{node id: actor name}`` of the per-node owners (:func:`create_owners`), or
+            one actor name serving every node (a single owner, as on one node).
         timeout_s: longest wait for a lookup or a read before it counts as a miss.
         max_inflight: most batches in flight; past it, writes are dropped (not waited for).
         batch_bytes: rows are sent once this many bytes wait (and at the end of an epoch).
     """
 
-    def __init__(self, name: str, timeout_s: float = 10.0, max_inflight: int = 16,
-                 batch_bytes: int = 4 * 2**20) -> None:
-        self.actor = ray.get_actor(name)
+    def __init__(self, owners: str | Mapping[str, str], timeout_s: float = 10.0,
+                 max_inflight: int = 16, batch_bytes: int = 4 * 2**20) -> None:
+        self.node = ray.get_runtime_context().get_node_id()
+        if isinstance(owners, str):
+            local, others = owners, []
+        else:
+            local = owners.get(self.node)
+            others = sorted(name for node, name in owners.items() if name != local)
+            if local is None:  # a node without an owner: write to another one (remote)
+                local, others = others[0], others[1:]
+                logger.warning("activation cache: no owner on node %s; using %s",
+                               self.node[:8], local)
+        self.actor = ray.get_actor(local)
+        self.peers: dict[str, Any] = {}
+        for name in others:
+            try:
+                self.peers[name] = ray.get_actor(name)
+            except ValueError:  # that node's owner is gone: its rows are misses
+                logger.warning("activation cache: owner %s not found", name)
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
         self.batch_bytes = batch_bytes
         self.dropped_rows = 0
+        self.local_reads = 0
+        self.remote_reads = 0
+        self._reported = (0, 0, 0)
         self._inflight: list[ray.ObjectRef] = []
         self._batch: list[tuple] = []
         self._batch_bytes = 0
-        self._snapshot: dict[int, list[tuple[int, int, ray.ObjectRef]]] | None = None
+        self._snapshot: dict[int, list[_Entry]] | None = None
         self._snapshot_level: int | None = None
         self._warned = False
         self._lineage = self._call("lineage", default=0)
+        self._peer_lineage = {name: self._call("lineage", default=0, actor=actor)
+                              for name, actor in self.peers.items()}
 
-    def _call(self, method: str, *args: Any, default: Any = None) -> Any:
+    def _call(self, method: str, *args: Any, default: Any = None, actor: Any = None) -> Any:
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+            actor = self.actor if actor is None else actor
+            return ray.get(getattr(actor, method).remote(*args), timeout=self.timeout_s)
         except RayError as err:
             self._warn(f"{method} failed ({type(err).__name__})")
             return default
@@ -152,12 +316,33 @@ class RayStore:
             logger.warning("activation cache: %s; serving misses", what)
             self._warned = True
 
-    def _entries(self, blocks: Sequence[int], level: int) -> list[tuple[int, int, ray.ObjectRef]]:
+    def _take_snapshot(self, level: int) -> dict[int, list[_Entry]]:
+        """Every object readable at ``level``: this node's, and the other owners' where this
+        node holds fewer rows of the block at any depth. Rows held here at a shallower depth
+        are advanced here rather than fetched deeper from another node: a few frozen blocks'
+        forward against a transfer across nodes (and a replica that ran ahead may already
+        hold deeper rows of blocks this one will not read this epoch)."""
+        snapshot: dict[int, list[_Entry]] = {}
+        if not self.peers:  # one owner: its plain lookup (the single-node protocol)
+            for block, lv, ref in self._call("lookup", None, level, default=[]):
+                snapshot.setdefault(block, []).append((block, lv, ref, None))
+            return snapshot
+        held: dict[int, int] = {}
+        for block, lv, ref, n in self._call("lookup", None, level, True, default=[]):
+            snapshot.setdefault(block, []).append((block, lv, ref, None))
+            held[block] = max(held.get(block, 0), n)
+        for name, actor in self.peers.items():
+            for block, lv, ref, n in self._call("lookup", None, level, True, default=[],
+                                                actor=actor):
+                if n > held.get(block, 0):
+                    snapshot.setdefault(block, []).append((block, lv, ref, name))
+        for entries in snapshot.values():
+            entries.sort(key=lambda e: (-e[1], e[3] is not None))  # deepest, local first
+        return snapshot
+
+    def _entries(self, blocks: Sequence[int], level: int) -> list[_Entry]:
         if self._snapshot is None or self._snapshot_level != level:
-            snapshot: dict[int, list[tuple[int, int, ray.ObjectRef]]] = {}
-            for entry in self._call("lookup", None, level, default=[]):
-                snapshot.setdefault(entry[0], []).append(entry)
-            self._snapshot, self._snapshot_level = snapshot, level
+            self._snapshot, self._snapshot_level = self._take_snapshot(level), level
         return [e for b in dict.fromkeys(int(x) for x in blocks)
                 for e in self._snapshot.get(b, ())]
 
@@ -165,25 +350,33 @@ class RayStore:
         entries = self._entries(blocks, level)
         if not entries:
             return []
-        refs = [ref for _, _, ref in entries]
+        refs = [e[2] for e in entries]
         try:
             values = ray.get(refs, timeout=self.timeout_s)
         except RayError:
             values = [self._get_one(ref) for ref in refs]
-        out, lost = [], []
-        for (block, lv, _), value in zip(entries, values):
+        out: list[Segment] = []
+        lost: dict[str | None, list[tuple[int, int]]] = {}
+        for (block, lv, _, owner), value in zip(entries, values):
             if value is None:
-                lost.append((block, lv))
+                lost.setdefault(owner, []).append((block, lv))
                 continue
+            if owner is None:
+                self.local_reads += 1
+            else:
+                self.remote_reads += 1
             ids, arrays, dtypes = value
             out.append(Segment(block, lv, ids, tuple(arrays), tuple(dtypes)))
         if lost:
-            self._warn(f"{len(lost)} cached objects could not be read")
-            self.actor.forget.remote(lost)
-            gone = set(lost)
-            for block in {b for b, _ in lost}:
-                self._snapshot[block] = [e for e in self._snapshot.get(block, ())
-                                         if (e[0], e[1]) not in gone]
+            self._warn(f"{sum(map(len, lost.values()))} cached objects could not be read")
+            for owner, keys in lost.items():
+                actor = self.actor if owner is None else self.peers.get(owner)
+                if actor is not None:
+                    actor.forget.remote(keys)
+                gone = set(keys)
+                for block in {b for b, _ in keys}:
+                    self._snapshot[block] = [e for e in self._snapshot.get(block, ())
+                                             if e[3] != owner or (e[0], e[1]) not in gone]
         return out
 
     def _get_one(self, ref: ray.ObjectRef) -> Payload | None:
@@ -201,7 +394,8 @@ class RayStore:
             self._send()
 
     def _send(self) -> None:
-        """Hand the waiting rows to the actor without waiting (dropped past the backlog)."""
+        """Put the waiting rows in this node's store and hand their reference to this node's
+        owner without waiting (dropped past the backlog)."""
         if not self._batch:
             return
         batch, self._batch, self._batch_bytes = self._batch, [], 0
@@ -211,34 +405,92 @@ class RayStore:
         if len(self._inflight) >= self.max_inflight:
             self.dropped_rows += sum(len(item[3]) for item in batch)
             return
-        self._inflight.append(self.actor.put_many.remote(self._lineage, batch))
+        try:
+            # In a list, so the owner gets the reference and reads it itself.
+            self._inflight.append(self.actor.put_refs.remote(self._lineage, [ray.put(batch)]))
+        except RayError as err:  # this node's store is full or going away
+            self.dropped_rows += sum(len(item[3]) for item in batch)
+            self._warn(f"rows not sent ({type(err).__name__})")
+
+    def _report_counts(self) -> None:
+        """Tell this node's owner the reads and dropped rows since the last report."""
+        now = (self.local_reads, self.remote_reads, self.dropped_rows)
+        delta = [a - b for a, b in zip(now, self._reported)]
+        if any(delta):
+            try:
+                self._inflight.append(self.actor.count.remote(*delta))
+                self._reported = now
+            except (RayError, AttributeError):  # an actor without the method (a test fake)
+                pass
 
     def drain(self) -> None:
         """End of an epoch: send the waiting rows, wait until this worker's writes have landed,
         and drop the read snapshot (the next epoch sees what this one wrote)."""
         self._send()
+        self._report_counts()
         if self._inflight:
             ray.wait(self._inflight, num_returns=len(self._inflight), timeout=self.timeout_s)
             self._inflight = []
         self._snapshot = None
 
     def flush(self) -> None:
+        """Store the rows of incomplete blocks on every owner; with other owners, wait for
+        that, then have this node's owner copy in what they hold and it lacks."""
         self._send()
-        self.actor.flush.remote()
+        if not self.peers:
+            self.actor.flush.remote()
+            return
+        for actor in [self.actor, *self.peers.values()]:
+            self._call("flush", default=None, actor=actor)
+        entries = [e for actor in self.peers.values()
+                   for e in self._call("holdings", default=[], actor=actor)]
+        if entries:
+            self._call("adopt", entries, default=0)
+        self._snapshot = None
 
     def invalidate_above(self, level: int) -> None:
         self._batch, self._batch_bytes, self._snapshot = [], 0, None
         self._lineage = self._call("invalidate_above", level, default=self._lineage)
+        for name, actor in self.peers.items():
+            self._peer_lineage[name] = self._call("invalidate_above", level,
+                                                  default=self._peer_lineage[name], actor=actor)
 
     def attach(self) -> None:
         self._snapshot = None
         self._lineage = self._call("lineage", default=self._lineage)
 
     def stats(self) -> CacheStats:
+        """The figures summed over every owner (bytes held on every node together)."""
         self._send()
         stats = self._call("stats", default=None) or CacheStats()
+        for actor in self.peers.values():
+            more = self._call("stats", default=None, actor=actor)
+            if more is not None:
+                for f in fields(CacheStats):
+                    setattr(stats, f.name, getattr(stats, f.name) + getattr(more, f.name))
         stats.refused_rows += self.dropped_rows
         return stats
+
+
+def owners_report(owners: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+    """The driver's final cache figures: the sum over owners (the fields of
+    :class:`CacheStats`) and ``nodes``: per node id, :meth:`CacheActor.node_stats` (empty for
+    an owner that did not answer)."""
+    total = CacheStats()
+    nodes: dict[str, dict[str, Any]] = {}
+    for node, actor in owners.items():
+        try:
+            stats, figures = ray.get([actor.stats.remote(), actor.node_stats.remote()],
+                                     timeout=timeout_s)
+        except RayError as err:
+            logger.warning("activation cache on node %s: no final figures (%s)", node[:8],
+                           type(err).__name__)
+            nodes[node] = {}
+            continue
+        for f in fields(CacheStats):
+            setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+        nodes[node] = figures
+    return {**asdict(total), "nodes": nodes}
 
 
 def object_store_report() -> dict[str, int]:

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from pt_ray.config import RunConfig
 from pt_ray.control import cache_policy
 from pt_ray.devices import DeviceChoice, choose_devices
 from pt_ray.placement import demand_for
-from pt_ray.service.cache import CacheActor, cache_name, object_store_report
+from pt_ray.service.cache import cache_name, create_owners, object_store_report, owners_report
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.worker import train_loop_per_worker
@@ -242,13 +242,13 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     controller = ControllerActor.options(
         name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
     ).remote(cfg.model_dump(mode="json"), str((run_dir / "ray" / run_id).resolve()))
-    # The cache's owner outlives worker restarts (objects die with whoever put them). Whether
-    # the cache may really turn on (the dataset's transform) is the workers' call; the config
-    # alone may already rule it out (cache.mode=off, nothing freezes, auto in the plain order).
-    cache = None
+    # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
+    # them). Whether the cache may really turn on (the dataset's transform) is the workers'
+    # call; the config alone may already rule it out (cache.mode=off, nothing freezes, auto in
+    # the plain order).
+    cache: dict[str, Any] = {}
     if cache_policy(cfg, deterministic_transform=True).mode != "off":
-        cache = CacheActor.options(name=cache_name(run_id)).remote(
-            cfg.cache.budget_fraction, cfg.cache.budget_bytes)
+        cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)
     use_gpu = choice.use_gpu
     workers: int | tuple[int, int] = (
         p.num_workers if p.min_workers is None else (p.min_workers, p.num_workers)
@@ -257,7 +257,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         train_loop_per_worker,
         train_loop_config={"run": cfg.model_dump(mode="json"),
                            "controller": controller_name(run_id),
-                           "cache": cache_name(run_id) if cache is not None else None,
+                           "cache": {node: cache_name(run_id, node) for node in cache} or None,
                            "run_dir": str(run_dir.resolve()),
                            "resume_from": str(resume_from) if resume_from else None},
         scaling_config=ScalingConfig(
@@ -301,12 +301,12 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
                 raise
             raise failure from err
         summary = ray.get(controller.summary.remote())
-        if cache is not None:
+        if cache:
             cache_report = _cache_report(cache)
     finally:
         ray.kill(controller)
-        if cache is not None:
-            ray.kill(cache)
+        for owner in cache.values():
+            ray.kill(owner)
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
@@ -315,12 +315,12 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
                   rollbacks=summary["rollbacks"])
 
 
-def _cache_report(cache) -> dict[str, Any]:
-    """The cache actor's final figures and the object store's, logged in one line."""
-    try:
-        stats = asdict(ray.get(cache.stats.remote(), timeout=30))
-    except ray.exceptions.RayError as err:
-        logger.warning("activation cache: no final figures (%s)", type(err).__name__)
+def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:
+    """The cache owners' final figures (summed, and per node under ``nodes``) and the object
+    store's, logged in one line."""
+    stats = owners_report(owners)
+    if not any(stats["nodes"].values()):
+        logger.warning("activation cache: no final figures")
         return {}
     store = object_store_report()
     logger.info(

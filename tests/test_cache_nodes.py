@@ -1,0 +1,204 @@
+"""The activation cache on a two-node cluster on one machine (``ray.cluster_utils.Cluster``, each
+node with its own object store): one owner per node, reads that stay on the node after the
+first epoch at a depth, killed owners that turn into remote reads and then misses (never a
+wrong row), and a tiny job with the cache on that still ends where the reference does."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+import uuid
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from torch import nn
+
+from pt_ray.data.sampler import CacheBlocks
+from pt_ray.models.base import iter_layers, layer_names
+from pt_ray.runtime.checkpoint import load_layers
+from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.service.cache import RayStore, cache_name, create_owners, owners_report
+from pt_ray.service.trainer import run_on_ray
+from conftest import SESSION_RAY
+from test_ray_engine import tiny_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STORE_BYTES = 80 * 2**20
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head without CPUs (no worker or owner lands there) and two 1-CPU nodes with their own
+    80 MiB object stores; yields the two worker nodes' ids. A session cluster already
+    connected (conftest's ``ray_cluster``) is shut down here and started again afterwards."""
+    was_up = ray.is_initialized()
+    if was_up:
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": STORE_BYTES, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        nodes = sorted(n["NodeID"] for n in ray.nodes()
+                       if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+        assert len(nodes) == 2
+        yield nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if was_up:  # as conftest's ray_cluster started it
+            ray.init(**SESSION_RAY)
+
+
+class _Embed(nn.Module):
+    """Sample ``i`` -> a ``[2, 8]`` state filled with ``10 i``."""
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((ids.float() * 10).view(-1, 1, 1).expand(-1, 2, 8).contiguous(),)
+
+
+class _Block(nn.Module):
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden + 1,)
+
+
+@ray.remote(num_cpus=0)
+class Replica:
+    """Stage 0 of one replica, on its node, with a stand-in model whose rows can be checked."""
+
+    def __init__(self, owners: dict[str, str], blocks: CacheBlocks) -> None:
+        torch.set_num_threads(1)
+        model = types.SimpleNamespace(embed=_Embed(), blocks=[_Block(), _Block()])
+        self.store = RayStore(owners, timeout_s=10)
+        self.prefix = CachedPrefix(model, self.store, blocks, torch.device("cpu"))
+
+    def epoch(self, steps: list[np.ndarray], level: int) -> dict:
+        local, remote = self.store.local_reads, self.store.remote_reads
+        for ids in steps:
+            ids = ids.copy()
+            (state,) = self.prefix(level, ids, lambda r, ids=ids: (torch.from_numpy(ids[r]),))
+            if not torch.equal(state[:, 0, 0], torch.from_numpy(ids).float() * 10 + level):
+                raise AssertionError("a cached row differs from its value")
+        self.store.drain()
+        c = self.prefix.reset()
+        return {"rows": c.rows, "hits": c.hits, "advanced": c.advanced, "misses": c.misses,
+                "local": self.store.local_reads - local,
+                "remote": self.store.remote_reads - remote}
+
+    def flush(self) -> None:
+        self.store.flush()
+
+
+def run_epoch(replicas, blocks, epoch, level, batch=32):
+    """One epoch of both replicas (each its half of every step), then the end-of-epoch
+    flush once both have drained, as the engine orders it."""
+    order = blocks.order(0, epoch)
+    steps = [order[s:s + batch] for s in range(0, len(order) - batch + 1, batch)]
+    per = ray.get([rep.epoch.remote([np.array_split(s, 2)[r] for s in steps], level)
+                   for r, rep in enumerate(replicas)])
+    ray.get([rep.flush.remote() for rep in replicas])
+    return per
+
+
+def start(nodes, num_samples=256, block_size=16):
+    run_id = f"test-nodes-{uuid.uuid4().hex[:6]}"
+    owners = create_owners(run_id, 0.5)
+    assert sorted(owners) == nodes
+    names = {node: cache_name(run_id, node) for node in owners}
+    blocks = CacheBlocks(num_samples, block_size, 0)
+    replicas = [Replica.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node, soft=False)).remote(names, blocks) for node in nodes]
+    return owners, replicas, blocks
+
+
+def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=1)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed owner still answers")
+
+
+def test_owners_are_per_node_and_reads_stay_local_after_the_first_epoch_at_a_depth(two_nodes):
+    owners, replicas, blocks = start(two_nodes)
+    locations = ray.get([a.__ray_call__.remote(
+        lambda self: ray.get_runtime_context().get_node_id()) for a in owners.values()])
+    assert locations == list(owners)  # each owner pinned to its node
+    cold = run_epoch(replicas, blocks, 0, 1)
+    assert [p["misses"] for p in cold] == [128, 128]
+    # Epoch 1, depth 1: every row a hit, every object read on its own node.
+    warm = run_epoch(replicas, blocks, 1, 1)
+    assert [(p["hits"], p["remote"]) for p in warm] == [(128, 0), (128, 0)]
+    assert all(p["local"] > 0 for p in warm)
+    # A deeper depth: rows advanced from depth 1 (local), then hits at depth 2, all local.
+    deeper = run_epoch(replicas, blocks, 2, 2)
+    assert [(p["advanced"], p["remote"]) for p in deeper] == [(128, 0), (128, 0)]
+    again = run_epoch(replicas, blocks, 3, 2)
+    assert [(p["hits"], p["remote"]) for p in again] == [(128, 0), (128, 0)]
+
+    report = owners_report(owners)
+    assert sorted(report["nodes"]) == two_nodes
+    for figures in report["nodes"].values():
+        # Each node holds every block at depth 2 (one object each), none refused.
+        assert figures["objects"] == blocks.num_blocks and figures["bytes"] > 0
+        assert figures["remote_reads"] == 0 and figures["local_reads"] > 0
+        assert figures["refused_rows"] == 0
+        assert figures["budget_bytes"] == int(0.5 * STORE_BYTES)
+    assert report["objects"] == 2 * blocks.num_blocks
+    for actor in [*owners.values(), *replicas]:
+        ray.kill(actor)
+
+
+def test_killed_owners_turn_into_remote_reads_then_misses_with_correct_rows(two_nodes):
+    owners, replicas, blocks = start(two_nodes)
+    run_epoch(replicas, blocks, 0, 1)
+    # Node 1's owner dies with its objects: its replica reads node 0's copy (remote).
+    ray.kill(owners[two_nodes[1]])
+    wait_until_dead(owners[two_nodes[1]])
+    after = run_epoch(replicas, blocks, 1, 1)
+    assert after[0]["hits"] == 128 and after[0]["remote"] == 0
+    assert after[1]["hits"] == 128 and after[1]["remote"] > 0
+    # Both owners gone: every row is recomputed (and checked inside the replicas).
+    ray.kill(owners[two_nodes[0]])
+    wait_until_dead(owners[two_nodes[0]])
+    fresh = run_epoch(replicas, blocks, 2, 2)
+    assert [p["misses"] for p in fresh] == [128, 128]
+    for actor in replicas:
+        ray.kill(actor)
+
+
+def test_tiny_job_on_two_nodes_reads_locally_and_ends_on_the_reference(two_nodes, tmp_path):
+    def job(**extra):
+        return tiny_config(tmp_path, **{
+            "name": "ray-cache-nodes", "cache": {"mode": "on", "block_size": 16},
+            "epochs": 4, **extra})
+
+    run = run_on_ray(job(), tmp_path / "run")
+    layout = [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in run.timeline]
+    assert layout[0] == (0, 2, 1) and layout[2:] == [(3, 1, 2)] * 2
+    assert [r.cache_hit_rate for r in run.timeline] == [0.0, 0.0, 1.0, 1.0]
+    nodes = run.cache["nodes"]
+    assert sorted(nodes) == two_nodes
+    # Both replicas' nodes end holding every block at depth 3.
+    assert all(n["objects"] == 128 // 16 and n["refused_rows"] == 0 for n in nodes.values())
+
+    reference = ReferenceTrainer(job(engine="reference"))
+    reference.fit()
+    layers, _ = load_layers(run.checkpoint_path, layer_names(4))
+    worst = max(float((layers[name]["params"][k] - v).abs().max())
+                for name, m in iter_layers(reference.adapter) for k, v in m.state_dict().items())
+    assert worst <= 1e-4
