@@ -159,3 +159,31 @@ def test_cache_on_equals_cache_off_in_fp32_on_gpu(cuda):
     assert cached[-1].cache_hit_rate > 0
     for a, b in zip(cached, plain):
         assert a.train_loss == pytest.approx(b.train_loss, abs=1e-4)
+
+
+def test_profiling_brings_one_layer_at_a_time_to_the_gpu(cuda):
+    from pt_ray.data.base import gather
+    from pt_ray.runtime.profile import profile_costs
+
+    cfg = build_config(VIT)
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)  # on the host, as every rank builds it
+    layers = dict(iter_layers(adapter))
+    seen: list[tuple[str, list[str]]] = []
+
+    def note(name):
+        def hook(module, args):
+            on = sorted(n for n, m in layers.items()
+                        if any(p.device == cuda for p in m.parameters()))
+            seen.append((name, on))
+        return hook
+
+    for name, module in layers.items():
+        module.register_forward_pre_hook(note(name))
+    costs = profile_costs(adapter, gather(on_device(splits, cuda).train, list(range(8))))
+    assert costs.num_layers == adapter.num_layers and costs.samples == 8
+    assert {name for name, _ in seen} == set(layers)
+    if cuda.type == "cuda":  # on the CPU (the dry run) host and device are one
+        # While a layer runs, it alone is on the GPU; afterwards the model is back on the host.
+        assert all(on == [name] for name, on in seen)
+        assert all(p.device.type == "cpu" for p in adapter.model.parameters())

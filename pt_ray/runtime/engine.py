@@ -192,9 +192,8 @@ class ElasticWorker:
                     // self.world)
             batch = gather(self.splits.train, list(range(min(n, len(self.splits.train)))))
             batch = _to(batch, self.device)
-            # Profiling times every layer on the device: the whole model is there until the
-            # first plan releases what this rank does not hold.
-            to_device(self.adapter.model, self.device)
+            # Each layer visits the device only while it is timed: the whole model never
+            # needs to fit there.
             costs = profile_costs(self.adapter, batch, precision=self.precision)
             if self.prefix is not None:
                 self.prefix.set_costs(costs)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -29,6 +30,7 @@ from pt_ray.data.base import Batch
 from pt_ray.models.base import ModelAdapter, State
 from pt_ray.plan import CostTable, LayerCost
 from pt_ray.runtime.memory import SavedActivations
+from pt_ray.runtime.owned import to_device
 from pt_ray.runtime.precision import Precision
 
 __all__ = ["profile_costs"]
@@ -112,7 +114,9 @@ def profile_costs(
 
     Args:
         adapter: the model, cut into layers.
-        batch: one micro-batch on the model's device (its size is ``CostTable.samples``).
+        batch: one micro-batch on the device to profile on (its size is
+            ``CostTable.samples``). The layers may be elsewhere (on the host, where the model
+            was built): each visits that device only while it is timed.
         repeats: timed repetitions per layer (median kept), after one warm-up.
         precision: the run's precision (default fp32): layers run under its autocast and
             their outputs are cast to its compute dtype, so activation bytes are the bytes a
@@ -129,13 +133,14 @@ def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision)
     device = batch.target.device
     n = len(batch)
     embed_params = [p for p in adapter.embed.parameters() if p.requires_grad]
-    f, b, state = _time_layer(
-        lambda: prec.cast_state(adapter.embed(*batch.inputs)), batch.inputs, embed_params,
-        device, repeats,
-        _sum_first,
-    )
-    saved = _saved_bytes(lambda: prec.cast_state(adapter.embed(*batch.inputs)), embed_params,
-                         _sum_first)
+    with _visiting(adapter.embed, device):
+        f, b, state = _time_layer(
+            lambda: prec.cast_state(adapter.embed(*batch.inputs)), batch.inputs, embed_params,
+            device, repeats,
+            _sum_first,
+        )
+        saved = _saved_bytes(lambda: prec.cast_state(adapter.embed(*batch.inputs)),
+                             embed_params, _sum_first)
     embed = LayerCost(f, b, _bytes(state) / n, _param_bytes(adapter.embed), saved / n)
     blocks = []
     # The saved bytes of the first block of each structure (and input size): the rest of its
@@ -149,13 +154,14 @@ def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision)
         # The first block of a structure is timed `repeats` times after a warm-up; the others
         # of its group once, with its kernels warm: their times are pooled into one median
         # below, so more repetitions of each would buy little and cost start-up time.
-        f, b, state = _time_layer(
-            lambda blk=block, x=inp: prec.cast_state(blk(*x)), inp, params, device,
-            1 if known else repeats, _sum_first, warmup=not known,
-        )
-        if not known:
-            first_of[key] = _saved_bytes(lambda blk=block, x=inp: prec.cast_state(blk(*x)),
-                                         params, _sum_first)
+        with _visiting(block, device):
+            f, b, state = _time_layer(
+                lambda blk=block, x=inp: prec.cast_state(blk(*x)), inp, params, device,
+                1 if known else repeats, _sum_first, warmup=not known,
+            )
+            if not known:
+                first_of[key] = _saved_bytes(
+                    lambda blk=block, x=inp: prec.cast_state(blk(*x)), params, _sum_first)
         blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block),
                                 first_of[key] / n))
     blocks = _pool_alike(adapter, blocks)
@@ -165,10 +171,11 @@ def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision)
     def loss(out: torch.Tensor) -> torch.Tensor:
         return adapter.loss(out, batch.target)
 
-    f, b, out = _time_layer(
-        lambda: prec.logits(adapter.head(*inp)), inp, params, device, repeats, loss,
-    )
-    saved = _saved_bytes(lambda: prec.logits(adapter.head(*inp)), params, loss)
+    with _visiting(adapter.head, device):
+        f, b, out = _time_layer(
+            lambda: prec.logits(adapter.head(*inp)), inp, params, device, repeats, loss,
+        )
+        saved = _saved_bytes(lambda: prec.logits(adapter.head(*inp)), params, loss)
     head = LayerCost(f, b, _bytes(out) / n, _param_bytes(adapter.head), saved / n)
     return CostTable(embed, tuple(blocks), head, samples=n)
 
@@ -185,6 +192,19 @@ def _pool_alike(adapter: ModelAdapter, blocks: list[LayerCost]) -> list[LayerCos
         for i in members:
             out[i] = replace(blocks[i], forward_s=fwd, backward_s=bwd)
     return out
+
+
+@contextmanager
+def _visiting(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """``module`` on ``device`` while it is timed, then back where it was: a model built on the
+    host reaches the device one layer at a time, so one too large for the device is profiled
+    too (and no rank ever holds it all there)."""
+    home = next((t.device for t in module.parameters()), device)
+    to_device(module, device)
+    try:
+        yield
+    finally:
+        to_device(module, home)
 
 
 def _structure(block: torch.nn.Module) -> tuple:
