@@ -1,12 +1,12 @@
 """Checkpoints of an elastic run: per-layer shards from every rank plus one metadata file.
 
-Each rank writes ``shard-rank<r>.pt`` with the layers whose authoritative copy it holds
-(replica 0's holders): parameters and, for layers that still train, their optimizer state, and
-beside it ``shard-rank<r>.json``, the shard's size, SHA-256 and the names of the layers it holds
-(the index by which a restoring rank reads only the shards of its own layers). Rank 0 also
-writes ``meta.json`` (epoch, step, samples seen, the plan, the controller's state, and
-``num_shards``). Shards are
-keyed by layer name, not by rank, so a restart under any plan (or any number of workers) finds
+Each rank writes ``shard-rank<r>.pt`` with its share of its stage's layers (the stage's
+layers dealt out among its replicas in turn, since every replica holds them alike): parameters
+and, for layers that still train, their optimizer state, and beside it ``shard-rank<r>.json``,
+the shard's size, SHA-256 and the names of the layers it holds (the index by which a restoring
+rank reads only the shards of its own layers). Rank 0 also writes ``meta.json`` (epoch, step,
+samples seen, the plan, the controller's state, and ``num_shards``). Shards are keyed by layer
+name, not by rank, so a restart under any plan (or any number of workers) finds
 every layer it needs wherever it was saved.
 
 Ray Train copies each rank's files into the checkpoint folder; a process that dies during the

@@ -702,9 +702,13 @@ class ElasticWorker:
     # -- state ---------------------------------------------------------------------------------
 
     def primary_layers(self) -> list[str]:
-        """Layers whose authoritative copy this rank holds (replica 0's holder)."""
+        """The layers this rank writes into checkpoints: every replica holds its stage's
+        layers alike, so the stage's layers are dealt out among its R replicas in turn and
+        each writes its share (with R = 2 a checkpoint costs each rank half the writing and
+        hashing that replica 0 alone would pay)."""
         replica, stage = self.plan.coords(self.rank)
-        return self.plan.stage_layers(stage) if replica == 0 else []
+        r = self.plan.num_replicas
+        return [n for i, n in enumerate(self.plan.stage_layers(stage)) if i % r == replica]
 
     def layer_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameters of :meth:`primary_layers`, detached copies on the CPU."""
