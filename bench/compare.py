@@ -211,12 +211,13 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
         if arm == "peer":
             cfg = resolve_config(config, ovr)
             result = run_peer(cfg, run_dir)
-            timeline, restarts = result.timeline, 0
+            timeline, restarts, startup = result.timeline, 0, result.startup
         else:
             result = fit(config, overrides=ovr, output_dir=run_dir, on_epoch=lambda rec: None)
             timeline = [asdict(r) if not isinstance(r, dict) else dict(r)
                         for r in result.timeline]
             cfg, restarts = result.config, result.restarts
+            startup = json.loads((run_dir / "summary.json").read_text()).get("startup", {})
     outer = time.perf_counter() - t0
     end = time.time()
     epoch_sum = sum(r["epoch_time_s"] for r in timeline)
@@ -235,6 +236,7 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
         "overhead_s": result.wall_time_s - epoch_sum - trans_sum - eval_sum,
         "overhead_split": time_split(start, end, watcher.times(), timeline,
                                      checkpoint_epochs(cfg)),
+        "startup": startup,
         "metric_name": result.metric_name,
         "final_accuracy": result.final_eval_metric,
         "timeline": timeline,
@@ -346,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         start_ray(max(int(-(-need // 1)), 1), args.object_store_mb, args.verbose)
         started = True
         import pt_ray.service.trainer  # noqa: F401  (imports paid here, not by the first arm)
+    import matplotlib.figure  # noqa: F401  (pt-ray's report.png: the same for its first arm)
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     load_before = os.getloadavg()
     t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from compare_report import (
     AIM_ENGINE_TAX,
     AIM_FRACTION,
     AIM_PREFIX_COST,
+    STARTUP_PARTS,
     _med,
     _ref_arm,
     by_plan,
@@ -157,6 +158,17 @@ def breakdown_lines(data: dict[str, Any]) -> list[str]:
             f"{_med([r['fit_call_s'] for r in recs]):>8.1f}{part('per_epoch_overhead_s', 11)}"
             f"{_med([r['wall_time_s'] for r in recs]):>10.1f}"
             f"{_med([r['final_accuracy'] for r in recs]):>10.4f}")
+    noted = {arm: q["startup_parts"] for arm, q in parts.items() if q.get("startup_parts")}
+    if noted:
+        names = {"preflight_s": "checks", "worker_group_s": "workers", "dataset_s": "dataset",
+                 "model_s": "model", "setup_s": "set-up"}
+        lines += ["", "start-up in parts (s, medians; checks: pt-ray's driver-side build of the "
+                  "dataset and model; workers: Ray Train's worker group until rank 0 began; "
+                  "set-up: pt-ray's profiling and first plan, the peer's DDP and loaders):",
+                  f"{'arm':<12}" + "".join(f"{names[k]:>9}" for k in STARTUP_PARTS)]
+        for arm, got in noted.items():
+            lines.append(f"{arm:<12}" + "".join(
+                f"{got[k]:>9.2f}" if k in got else f"{'-':>9}" for k in STARTUP_PARTS))
     return lines
 
 

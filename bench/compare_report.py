@@ -220,8 +220,19 @@ def breakdown(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
             "teardown_s": _med([sp["teardown_s"] for _, sp in split]),
             "call_s": _med([r["fit_call_s"] for r, _ in split]),
             "per_epoch_overhead_s": _med(per_epoch) if per_epoch else None,
+            # Medians of each start-up part the run noted (rank 0's; see STARTUP_PARTS).
+            "startup_parts": {key: _med(vals) for key in STARTUP_PARTS
+                              if (vals := [r["startup"][key] for r, _ in split
+                                           if key in r.get("startup", {})])},
         }
     return out
+
+
+STARTUP_PARTS = ("preflight_s", "worker_group_s", "dataset_s", "model_s", "setup_s")
+"""The parts of a start-up the runs note: pt-ray's driver-side checks (its preflight build of
+the dataset and model), Ray Train's worker group (``TorchTrainer.fit()`` until rank 0's worker
+function began), and on rank 0 the dataset, the model and the set-up before the first step
+(pt-ray: controller, profiling, the first plan; the peer: DDP, loaders, optimizer)."""
 
 
 def against_peer(runs: dict[str, list[dict]], parts: dict[str, dict[str, float]]

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -131,12 +131,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    entered = time.time()
     cfg = RunConfig.model_validate(config["run"])
     torch.set_num_threads(max(1, int(cfg.pipeline.cpus_per_worker)))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    built_data = time.time()
     adapter = build_model_for(cfg, splits)
+    built_model = time.time()
     model = ray.train.torch.prepare_model(adapter.model)
 
     per_worker = cfg.data.batch_size // world
@@ -153,6 +156,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=opt_cfg.lr,
                                   betas=opt_cfg.betas)
     total_samples = cfg.epochs * len(loader) * per_worker * world
+    # As pt-ray's workers note theirs (rank 0; set-up here is DDP, the loaders and AdamW).
+    startup = {"entered_at": entered, "dataset_s": built_data - entered,
+               "model_s": built_model - built_data, "setup_s": time.time() - built_model}
     seen = 0
     history: list[dict[str, Any]] = []
     for epoch in range(cfg.epochs):
@@ -187,7 +193,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "eval_metric": float(sums[0]) / max(len(splits.eval), 1) if scored else math.nan,
             "eval_time_s": eval_time,
         })
-        metrics = {**history[-1], "metric_name": adapter.metric_name, "history": list(history)}
+        metrics = {**history[-1], "metric_name": adapter.metric_name, "history": list(history),
+                   "startup": startup}
         if not cfg.checkpoints_after(epoch):
             ray.train.report(metrics)  # a barrier: every rank reports
             continue
@@ -211,6 +218,9 @@ class PeerRun:
         final_eval_metric: the eval metric after the last epoch.
         wall_time_s: ``TorchTrainer.fit()`` wall time, s.
         checkpoint: the last checkpoint's directory (``model.pt``: the model's state_dict).
+        startup: rank 0's start-up, as pt-ray's ``summary.json`` has it: ``worker_group_s``
+            (``TorchTrainer.fit()`` until the worker function began), ``dataset_s``,
+            ``model_s``, ``setup_s`` (DDP, the loaders, the optimizer).
     """
 
     timeline: list[dict[str, Any]]
@@ -218,6 +228,7 @@ class PeerRun:
     final_eval_metric: float
     wall_time_s: float
     checkpoint: str | None
+    startup: dict[str, float] = field(default_factory=dict)
 
 
 def run_peer(cfg: RunConfig, run_dir: Path) -> PeerRun:
@@ -256,6 +267,7 @@ def run_peer(cfg: RunConfig, run_dir: Path) -> PeerRun:
         ),
     )
     t0 = time.perf_counter()
+    launched = time.time()
     result = trainer.fit()
     wall = time.perf_counter() - t0
     if result.error is not None:
@@ -267,4 +279,7 @@ def run_peer(cfg: RunConfig, run_dir: Path) -> PeerRun:
                            f"expected 0..{cfg.epochs - 1}")
     metric_name = result.metrics["metric_name"]
     ckpt = result.checkpoint.path if result.checkpoint is not None else None
-    return PeerRun(timeline, metric_name, timeline[-1]["eval_metric"], wall, ckpt)
+    startup = dict(result.metrics.get("startup", {}))  # rank 0's report is the result's
+    if "entered_at" in startup:
+        startup = {"worker_group_s": startup.pop("entered_at") - launched, **startup}
+    return PeerRun(timeline, metric_name, timeline[-1]["eval_metric"], wall, ckpt, startup)

@@ -248,6 +248,7 @@ def fit(
         logger.info(choice.describe())
     built_from = time.perf_counter()
     splits, adapter = preflight(cfg)
+    preflight_s = time.perf_counter() - built_from
     from pt_ray.control import cache_policy
 
     logger.info(cache_policy(cfg, splits.train.deterministic_transform).describe())
@@ -302,7 +303,9 @@ def fit(
                 on_epoch(rec)
         extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
                      decisions=run.decisions, restarts=run.restarts, cache=run.cache,
-                     rollbacks=run.rollbacks)
+                     rollbacks=run.rollbacks,
+                     # The driver's checks come before wall_time_s starts; the rest within it.
+                     startup={"preflight_s": preflight_s, **run.startup})
         if resumed is not None:
             extra["resumed_from"] = {"checkpoint": str(resumed.checkpoint),
                                      "after_epoch": resumed.next_epoch}

@@ -61,6 +61,10 @@ def test_peer_trains_pt_rays_model_and_reports_each_epoch(ray_cluster, tmp_path)
 
     first, last = run.timeline
     assert run.metric_name == "accuracy"
+    # Rank 0's start-up in parts, within the fit's wall time.
+    assert set(run.startup) == {"worker_group_s", "dataset_s", "model_s", "setup_s"}
+    assert all(v >= 0 for v in run.startup.values())
+    assert sum(run.startup.values()) < run.wall_time_s
     assert first["eval_time_s"] == 0 and first["eval_metric"] != first["eval_metric"]  # NaN
     for rec in (first, last):
         assert rec["epoch_time_s"] > 0 and rec["transition_time_s"] == 0
@@ -131,6 +135,13 @@ def test_headline_is_pt_ray_over_the_peer_with_the_engine_tax_and_overheads():
     assert head["accuracy_diff_vs_peer_points"] == pytest.approx(-0.5)
     assert head["engine_tax_k1"] == pytest.approx(0.04) and head["meets_engine_tax_aim"]
     assert not head["meets_overhead_aim"]  # pt-ray starts slower and pays more per epoch
+    # The start-up parts the runs noted: medians over repeats, and only the parts a run has.
+    assert "startup_parts" in parts["dp"] and parts["dp"]["startup_parts"] == {}
+    runs["peer"].append(_run(30.0, 75.0, 0.975, [0.5] * 3, [0.2, 0.2]))
+    runs["peer"][0]["startup"] = {"worker_group_s": 4.0, "model_s": 1.0}
+    runs["peer"][1]["startup"] = {"worker_group_s": 6.0, "model_s": 2.0, "setup_s": 0.5}
+    assert compare_report.breakdown(runs)["peer"]["startup_parts"] == {
+        "worker_group_s": 5.0, "model_s": 1.5, "setup_s": 0.5}
 
 
 @pytest.mark.unit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -73,6 +74,12 @@ def test_two_workers_on_ray_train_match_reference_and_replan(ray_cluster, tmp_pa
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
     summary = (result.run_dir / "summary.json").read_text()
     assert '"pipeline_length": 1' in summary
+    # Where the start-up went: the driver's preflight, then (within the run's wall time) Ray
+    # Train's worker group and rank 0's dataset, model and set-up.
+    startup = json.loads(summary)["startup"]
+    assert set(startup) == {"preflight_s", "worker_group_s", "dataset_s", "model_s", "setup_s"}
+    assert all(v >= 0 for v in startup.values())
+    assert sum(v for k, v in startup.items() if k != "preflight_s") < result.wall_time_s
 
 
 def test_killed_worker_restarts_from_checkpoint_and_ends_identical(ray_cluster, tmp_path,

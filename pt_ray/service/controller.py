@@ -60,6 +60,7 @@ class ControllerActor:
         self.state: ControlState | None = None
         self.metric_name = "accuracy"
         self.restarts = 0
+        self.startup_figures: dict[str, float] = {}
         self.changed = asyncio.Condition()
         # Set once a restarted actor has restored itself: the epoch its checkpoint holds.
         self.recovered_after: int | None = None
@@ -146,6 +147,10 @@ class ControllerActor:
     async def record(self, rec: EpochRecord) -> None:
         self.state.record(rec)
 
+    async def startup(self, figures: dict[str, float]) -> None:
+        """Rank 0's start-up figures (see :meth:`RayController.startup`)."""
+        self.startup_figures = dict(figures)
+
     async def state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
 
@@ -170,7 +175,7 @@ class ControllerActor:
                      for r in self.state.rollbacks] if self.state else []
         return {"timeline": await self.timeline(), "decisions": await self.decisions(),
                 "metric_name": self.metric_name, "restarts": self.restarts,
-                "rollbacks": rollbacks}
+                "rollbacks": rollbacks, "startup": self.startup_figures}
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -257,6 +262,13 @@ class RayController:
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
+
+    def startup(self, figures: dict[str, float]) -> None:
+        """Note where rank 0's start-up went: ``entered_at`` (when the worker function began,
+        ``time.time()``), ``dataset_s``, ``model_s`` and ``setup_s`` (controller set-up,
+        profiling and the first plan, which waits for every rank; or the restore from a
+        checkpoint). The latest group's figures win; a restarted controller has none."""
+        self._call("startup", figures)
 
     def resume(self, state: dict[str, Any], next_decision: int, restart: bool = True) -> Plan:
         return self._call("resume", state, next_decision, restart)

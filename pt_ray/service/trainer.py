@@ -137,6 +137,11 @@ class RayRun:
         device: ``cuda`` or ``cpu``.
         rollbacks: the accuracy guard's rollbacks (epoch, epoch returned to, blocks frozen
             before and after, the metric before and after, and the undone epochs' records).
+        startup: where the start-up went, in seconds: ``worker_group_s`` (from
+            ``TorchTrainer.fit()`` until rank 0's worker function began: Ray Train's
+            controller, placement and worker processes), then rank 0's ``dataset_s``,
+            ``model_s`` and ``setup_s`` (controller set-up, profiling, the first plan); empty
+            when the controller lost them in a restart.
     """
 
     timeline: list[EpochRecord]
@@ -149,6 +154,7 @@ class RayRun:
     config: RunConfig | None = None
     device: str = "cpu"
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    startup: dict[str, float] = field(default_factory=dict)
 
 
 def cluster_devices(cfg: RunConfig) -> DeviceChoice:
@@ -288,6 +294,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
                 "GPU" if use_gpu else "CPU", choice.backend)
     cache_report: dict[str, Any] = {}
     t0 = time.monotonic()
+    launched = time.time()  # beside the workers' time.time() of their start
     try:
         try:
             with _train_start_timeout(p.placement_timeout_s):
@@ -310,9 +317,12 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    startup = dict(summary["startup"])
+    if "entered_at" in startup:
+        startup = {"worker_group_s": startup.pop("entered_at") - launched, **startup}
     return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
                   run_id, summary["restarts"], cache_report, config=cfg, device=choice.device,
-                  rollbacks=summary["rollbacks"])
+                  rollbacks=summary["rollbacks"], startup=startup)
 
 
 def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:

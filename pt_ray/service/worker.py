@@ -135,6 +135,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             continue, or None, "run_dir": the run folder (rank 0 writes the live
             ``logging.every_steps`` TensorBoard scalars into its ``tensorboard``)}``.
     """
+    entered = time.time()  # the driver's clock on one host; across hosts, as synced as theirs
     setup_logging()
     quiet_ray_train()
     cfg = RunConfig.model_validate(config["run"])
@@ -142,7 +143,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    built_data = time.time()
     adapter = build_model_for(cfg, splits)
+    built_model = time.time()
     controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s)
     device = _device(cfg)
     controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
@@ -190,6 +193,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if rank == 0:
             logger.info("resumed after epoch %d on %d workers: %s", first_epoch - 1, world,
                         plan.describe())
+    if rank == 0:
+        # Where this worker's start-up went (the driver adds the worker group's start).
+        controller.startup({"entered_at": entered, "dataset_s": built_data - entered,
+                            "model_s": built_model - built_data,
+                            "setup_s": time.time() - built_model})
 
     epoch = first_epoch
     while epoch < cfg.epochs:
