@@ -276,7 +276,7 @@ def memory_table(summary: SummaryLike) -> str:
 
     rows_held = [m for r in shown for m in r["memory"]]
     if all(m["held_param_bytes"] == m["param_bytes"] for m in rows_held):
-        note = "(each rank holds only its stage's parameters; the rest are on the meta device)"
+        note = "(each rank holds only its stage's parameters; the others' storage is freed)"
     else:  # a summary from before ranks released the layers they do not run
         held = max(m["held_param_bytes"] for m in rows_held)
         note = (f"(every rank holds all {held / scale:,.1f} {unit} of the model's parameters: "

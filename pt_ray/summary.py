@@ -45,7 +45,7 @@ class RankMemory:
             (``torch.cuda.max_memory_allocated``: the whole process, every layer it holds
             included); on CPU the tracked sum ``param + grad + optimizer + activation``.
         held_param_bytes: parameters that have storage in the process. A rank holds only its
-            stage's layers (the rest are on the ``meta`` device), so this equals
+            stage's layers (the others' storage is freed), so this equals
             ``param_bytes``; summaries written before that held the whole model on every rank.
         cuda: whether ``peak_bytes`` is the CUDA allocator's figure (else the tracked sum).
         estimate_bytes: the planner's predicted peak for this rank's stage under the epoch's

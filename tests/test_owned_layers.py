@@ -17,7 +17,7 @@ from pt_ray.models.base import iter_layers
 from pt_ray.plan import is_trainable
 from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
 from pt_ray.runtime.engine import ElasticWorker, LocalController
-from pt_ray.runtime.owned import is_held, materialise, release
+from pt_ray.runtime.owned import has_storage, is_held, materialise, release
 from pt_ray.runtime.reference import build_model_for
 from test_engine_dist import VIT, assert_same_parameters, config, costs_for, train_then_checkpoint
 
@@ -30,15 +30,15 @@ def _bytes(tensors) -> int:
 
 def holdings(worker: ElasticWorker) -> dict:
     """What a rank holds in storage now: layers, parameter bytes, optimizer bytes."""
-    params = [p for m in worker.modules.values() for p in m.parameters() if not p.is_meta]
+    params = [p for m in worker.modules.values() for p in m.parameters() if has_storage(p)]
     optim = [v for st in worker.optimizer.state.values() for v in st.values()
              if torch.is_tensor(v)]
     return {
         "plan": worker.plan,
         "stage": worker.topo.stage,
         "held": sorted(n for n, m in worker.modules.items() if is_held(m)),
-        "meta_grads": sum(p.grad is not None for m in worker.modules.values()
-                          for p in m.parameters() if p.is_meta),
+        "released_grads": sum(p.grad is not None for m in worker.modules.values()
+                          for p in m.parameters() if not has_storage(p)),
         "param_bytes": _bytes(params),
         "optim_bytes": _bytes(optim),
         "optim_params": sorted({n for n, m in worker.modules.items()
@@ -86,7 +86,7 @@ def test_four_ranks_hold_only_their_stage_through_k_4_2_1_and_match_the_referenc
             moments = 2 * sum(sizes[n] for n in trained)
             assert moments <= s["optim_bytes"] <= 1.1 * moments, (rank, epoch)
             assert s["optim_params"] == sorted(trained)
-            assert s["meta_grads"] == 0
+            assert s["released_grads"] == 0
             # The measured figure of the record says the same.
             m = s["record"].memory[rank]
             assert m.held_param_bytes == m.param_bytes == s["param_bytes"]
@@ -163,14 +163,20 @@ def test_release_and_materialise_keep_shared_parameters_one_tensor():
     adapter = build_model_for(cfg, splits)
     pos = adapter.model.pos_embed  # registered in the model and in the adapter's embedding
     before = pos.detach().clone()
+    images = splits.train.inputs[0][:4]
+    adapter.model(images).sum().backward()  # pos_embed now has a gradient and its autograd node
     release(adapter.embed)
-    assert not is_held(adapter.embed) and adapter.model.pos_embed is pos and pos.is_meta
+    assert not is_held(adapter.embed) and adapter.model.pos_embed is pos and not has_storage(pos)
+    assert pos.shape == before.shape and pos.grad is None  # the memory went; the tensor stays
     assert is_held(adapter.blocks[0])
     materialise(adapter.embed, torch.device("cpu"))
-    assert is_held(adapter.embed) and not adapter.model.pos_embed.is_meta
+    assert is_held(adapter.embed) and has_storage(adapter.model.pos_embed)
     with torch.no_grad():
         adapter.embed.pos_embed.copy_(before)  # what a migration or a checkpoint writes
     assert torch.equal(adapter.model.pos_embed, before)
+    # The same tensor trains again: its gradient arrives where the model looks for it.
+    adapter.model(images).sum().backward()
+    assert pos.grad is not None and pos.grad.shape == before.shape
 
 
 @pytest.mark.unit

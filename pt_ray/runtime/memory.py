@@ -24,8 +24,8 @@ What the figures count:
    2: a lower bound of what the stage needs at once.
 
 ``held_param_bytes`` counts the parameters that have storage in the process: a rank holds only
-the layers its plan gives it (:mod:`pt_ray.runtime.owned`; the others are on the ``meta``
-device), so it equals ``param_bytes``, the stage's own.
+the layers its plan gives it (:mod:`pt_ray.runtime.owned`; the others' storage is freed), so
+it equals ``param_bytes``, the stage's own.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from pt_ray.runtime.owned import held_param_bytes
+from pt_ray.runtime.owned import has_storage, held_param_bytes
 from pt_ray.summary import RankMemory
 
 __all__ = ["FIELDS", "MemoryMeter", "SavedActivations", "rank_memory", "tensor_bytes"]
@@ -136,8 +136,8 @@ class MemoryMeter:
         self.generation: int | None = None  # the plan under which activations were counted
 
     def _params(self) -> list[torch.nn.Parameter]:
-        """The parameters with storage here (released layers' are ``meta`` tensors)."""
-        return [p for m in self.modules.values() for p in m.parameters() if not p.is_meta]
+        """The parameters with storage here (released layers' have none)."""
+        return [p for m in self.modules.values() for p in m.parameters() if has_storage(p)]
 
     def start_epoch(self) -> None:
         """Reset CUDA's peak (before the epoch's first step)."""

@@ -1,32 +1,39 @@
-"""Which layers a rank holds in storage: releasing given-away layers to the ``meta`` device and
-materialising received ones, in place.
+"""Which layers a rank holds in storage: freeing the storage of given-away layers and giving
+received ones storage again, without replacing any tensor object.
 
 Torch runtime layer. Every rank builds the whole model from the seed on the host (so its initial
 weights are those of the single-process reference trainer), then keeps, in storage, only the
-layers its plan gives it (``Plan.stage_layers``: stage 0 also holds the frozen prefix it runs);
-the rest keep their shapes on the ``meta`` device, without storage. A layer a rank receives at
-a transition is first materialised empty on the rank's device, then migration copies its whole
-state into it.
+layers its plan gives it (``Plan.stage_layers``: stage 0 also holds the frozen prefix it runs).
+The rest keep their shapes, dtypes and devices, but their storage is resized to nothing, as
+FSDP frees a shard: the memory is returned while the tensor objects, their shapes and their
+autograd state stay as they are. A layer a rank receives at a transition first gets fresh,
+uninitialised storage on the rank's device (``tensor.data = torch.empty_like(...)``), then
+migration copies its whole state into it.
 
-Tensors are swapped in place (:func:`torch.utils.swap_tensors`), never replaced in their
-modules: a parameter can be registered in two modules (a timm ViT's ``pos_embed`` lives in the
-model and in the adapter's embedding), and a new object in one of them would leave the other
-holding the old storage, or training a stale copy. What moves is each parameter and each
-persistent buffer (what ``state_dict`` holds, hence what migration and checkpoints carry).
-Non-persistent buffers (e.g. a Hugging Face embedding's ``position_ids``) are constants of the
-build that no ``state_dict`` carries: they stay materialised on every rank, a few bytes each.
+Nothing here swaps or replaces a tensor object. A parameter can be registered in two modules (a
+timm ViT's ``pos_embed`` lives in the model and in the adapter's embedding), and a DDP reducer
+or an autograd node may still refer to a parameter of the plan just left: all of them keep
+seeing the same tensor. (An earlier version swapped tensor implementations in place with
+``torch.utils.swap_tensors``, which must poison the autograd node of a trained parameter and
+retry past lingering references; under it a rank of a mid-epoch transition test once died of
+a double free.) What is freed is each parameter and each persistent buffer (what ``state_dict``
+holds, hence what migration and checkpoints carry). Non-persistent buffers (e.g. a Hugging Face
+embedding's ``position_ids``) are constants of the build that no ``state_dict`` carries: they
+stay in storage on every rank, a few bytes each.
+
+A released tensor must not be read: it has no data. The engine never reads one (its stages,
+optimizer, checkpoints and memory figures cover owned layers only); :func:`is_held` tells them
+apart.
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils import swap_tensors
 
-__all__ = ["held_param_bytes", "is_held", "materialise", "release", "to_device"]
+__all__ = ["has_storage", "held_param_bytes", "is_held", "materialise", "release", "to_device"]
 
 
 def _tensors(module: nn.Module, persistent_only: bool) -> Iterator[torch.Tensor]:
@@ -46,56 +53,57 @@ def _tensors(module: nn.Module, persistent_only: bool) -> Iterator[torch.Tensor]
                 yield b
 
 
-def _swap(t: torch.Tensor, value: torch.Tensor) -> None:
-    """Give ``t`` the storage (and device) of ``value``, keeping the object and its flags."""
-    if isinstance(t, nn.Parameter):
-        value = nn.Parameter(value, requires_grad=t.requires_grad)
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has its data (an empty tensor always has)."""
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+
+
+def _free(t: torch.Tensor) -> None:
+    """Return ``t``'s memory, keeping the tensor object, its shape and its dtype."""
     try:
-        swap_tensors(t, value)
-    except RuntimeError:
-        # Something dropped a moment ago (a DDP reducer of the plan just left) may still hold
-        # the tensor until a collection breaks its reference cycle.
-        gc.collect()
-        swap_tensors(t, value)
+        t.untyped_storage().resize_(0)
+    except RuntimeError:  # storage that cannot be resized (e.g. memory-mapped weights)
+        t.data = torch.empty_like(t)
+        t.untyped_storage().resize_(0)
 
 
 def is_held(module: nn.Module) -> bool:
     """Whether every parameter and persistent buffer of ``module`` has storage."""
-    return not any(t.is_meta for t in _tensors(module, persistent_only=True))
+    return all(has_storage(t) for t in _tensors(module, persistent_only=True))
 
 
 def release(module: nn.Module) -> None:
-    """Free the storage of ``module``'s parameters and persistent buffers (and gradients): each
-    becomes a ``meta`` tensor of the same shape and dtype."""
+    """Free the storage of ``module``'s parameters and persistent buffers (and drop their
+    gradients); shapes, dtypes and devices stay."""
     with torch.no_grad():
         for t in _tensors(module, persistent_only=True):
-            if not t.is_meta:
-                t.grad = None
-                _swap(t, torch.empty_like(t, device="meta"))
+            t.grad = None
+            if has_storage(t) and t.numel():
+                _free(t)
 
 
 def materialise(module: nn.Module, device: torch.device) -> None:
-    """Give every ``meta`` tensor of ``module`` uninitialised storage on ``device`` (its values
-    arrive by migration, a checkpoint or a snapshot) and move the others there."""
+    """Give every released tensor of ``module`` fresh, uninitialised storage on ``device`` (its
+    values arrive by migration, a checkpoint or a snapshot) and move the others there."""
     with torch.no_grad():
         for t in _tensors(module, persistent_only=False):
-            if t.is_meta:
-                _swap(t, torch.empty_like(t, device=device))
+            if not has_storage(t):
+                t.data = torch.empty(t.shape, dtype=t.dtype, device=device)
             elif t.device != device:
-                _swap(t, t.detach().to(device))
+                t.data = t.data.to(device)
 
 
 def to_device(module: nn.Module, device: torch.device) -> None:
-    """Move ``module``'s tensors that have storage to ``device``; released ones stay
-    released (``nn.Module.to`` cannot copy a meta tensor)."""
+    """Move ``module``'s tensors that have storage to ``device``; released ones stay released
+    (they get storage on the device when :func:`materialise` gives it)."""
     with torch.no_grad():
         for t in _tensors(module, persistent_only=False):
-            if not t.is_meta and t.device != device:
-                _swap(t, t.detach().to(device))
+            if has_storage(t) and t.device != device:
+                t.data = t.data.to(device)
 
 
 def held_param_bytes(modules: Iterable[nn.Module]) -> int:
     """Bytes of the parameters of ``modules`` that have storage."""
     return sum(p.numel() * p.element_size()
                for m in modules for p in _tensors(m, persistent_only=True)
-               if isinstance(p, nn.Parameter) and not p.is_meta)
+               if isinstance(p, nn.Parameter) and has_storage(p))
