@@ -6,7 +6,6 @@ wrong row), and a tiny job with the cache on that still ends where the reference
 from __future__ import annotations
 
 import sys
-import time
 import types
 import uuid
 
@@ -26,6 +25,7 @@ from pt_ray.runtime.reference import ReferenceTrainer
 from pt_ray.service.cache import RayStore, cache_name, create_owners, owners_report
 from pt_ray.service.trainer import run_on_ray
 from conftest import SESSION_RAY
+from test_cache_ray import wait_until_dead
 from test_ray_engine import tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -120,17 +120,6 @@ def start(nodes, num_samples=256, block_size=16):
     replicas = [Replica.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         node, soft=False)).remote(names, blocks) for node in nodes]
     return owners, replicas, blocks
-
-
-def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=1)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return
-        time.sleep(0.1)
-    raise AssertionError("the killed owner still answers")
 
 
 def test_owners_are_per_node_and_reads_stay_local_after_the_first_epoch_at_a_depth(two_nodes):

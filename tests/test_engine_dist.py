@@ -197,7 +197,9 @@ def train_then_checkpoint(rank, world, cfg, directory, epochs):
     return worker.plan
 
 
-def resume_and_finish(rank, world, cfg, directory):
+def resume_parts(world, cfg, directory):
+    """What a rank of ``world`` builds to resume from the checkpoint in ``directory``: the
+    splits, the model, the control state rolled back to the checkpoint, and its plan."""
     from pathlib import Path
 
     from pt_ray.runtime.checkpoint import read_meta
@@ -207,7 +209,13 @@ def resume_and_finish(rank, world, cfg, directory):
     control = build_control_state(cfg, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
     meta = read_meta(Path(directory))
-    plan = control.resume(meta["controller"], meta["next_decision"])
+    return splits, adapter, control, control.resume(meta["controller"], meta["next_decision"])
+
+
+def resume_and_finish(rank, world, cfg, directory):
+    from pathlib import Path
+
+    splits, adapter, control, plan = resume_parts(world, cfg, directory)
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control))
     first = worker.restore(Path(directory), plan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ from pt_ray.control import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.models.base import iter_layers
 from pt_ray.plan import is_trainable
-from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
+from pt_ray.runtime.checkpoint import load_layers, write_shard
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.owned import has_storage, is_held, materialise, release
 from pt_ray.runtime.reference import build_model_for
-from test_engine_dist import VIT, assert_same_parameters, config, costs_for, train_then_checkpoint
+from test_engine_dist import (VIT, assert_same_parameters, config, costs_for, resume_parts,
+                              train_then_checkpoint)
 
 F32 = 4
 
@@ -98,15 +100,27 @@ def test_four_ranks_hold_only_their_stage_through_k_4_2_1_and_match_the_referenc
         assert mine.train_loss == pytest.approx(ref.train_loss, abs=1e-4)
 
 
+@contextmanager
+def shards_opened():
+    """The names of the files ``torch.load`` opens inside the block."""
+    opened: list[str] = []
+    real_load = torch.load
+
+    def spy(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real_load(path, *args, **kwargs)
+
+    torch.load = spy
+    try:
+        yield opened
+    finally:
+        torch.load = real_load
+
+
 def resume_from_own_shards(rank, world, cfg, directory):
     """Restore from a copy of the checkpoint without the shards of layers this rank does not
     hold, recording which shard files it opened."""
-    splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
-                                  len(splits.train) // cfg.data.batch_size)
-    meta = read_meta(Path(directory))
-    plan = control.resume(meta["controller"], meta["next_decision"])
+    splits, adapter, control, plan = resume_parts(world, cfg, directory)
     mine = set(plan.stage_layers(plan.coords(rank)[1]))
     copy = Path(f"{directory}-rank{rank}")
     shutil.copytree(directory, copy)
@@ -117,20 +131,10 @@ def resume_from_own_shards(rank, world, cfg, directory):
         else:
             manifest.with_suffix(".pt").unlink()
             manifest.unlink()
-    opened = []
-    real_load = torch.load
-
-    def spy(path, *args, **kwargs):
-        opened.append(Path(path).name)
-        return real_load(path, *args, **kwargs)
-
-    torch.load = spy
-    try:
+    with shards_opened() as opened:
         worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                                controller=LocalController(control))
         first = worker.restore(copy, plan)
-    finally:
-        torch.load = real_load
     held = sorted(n for n, m in worker.modules.items() if is_held(m))
     timeline = worker.fit(first_epoch=first)
     states = worker.layer_state_dicts()
@@ -184,15 +188,7 @@ def test_shards_without_layer_names_are_all_read(tmp_path):
     for rank, name in enumerate(["embed", "head"]):
         write_shard(tmp_path, rank, {name: {"params": {"w": torch.full((2,), float(rank))}},
                                      "__norms__": {"sums": {}, "steps": rank}})
-    opened = []
-    real_load = torch.load
-
-    def spy(path, *args, **kwargs):
-        opened.append(Path(path).name)
-        return real_load(path, *args, **kwargs)
-
-    torch.load = spy
-    try:
+    with shards_opened() as opened:
         layers, _ = load_layers(tmp_path, ["head"])
         assert opened == ["shard-rank1.pt"] and float(layers["head"]["params"]["w"][0]) == 1.0
         # A checkpoint from before the manifests named their layers: every shard is read.
@@ -202,5 +198,3 @@ def test_shards_without_layer_names_are_all_read(tmp_path):
         opened.clear()
         layers, _ = load_layers(tmp_path, ["head"])
         assert opened == ["shard-rank0.pt", "shard-rank1.pt"]
-    finally:
-        torch.load = real_load
