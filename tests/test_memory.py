@@ -221,7 +221,7 @@ def test_four_ranks_measure_their_stages_exactly_through_k_4_2_1():
             # frozen layers none.
             steps = F32 * sum(tensors[n] for n in trained)
             assert m.optimizer_bytes - steps == 2 * sum(sizes[n] for n in trained)
-            # A rank holds its stage's layers only (the rest are on the meta device).
+            # A rank holds its stage's layers only (the others' storage is freed).
             assert m.held_param_bytes == m.param_bytes < whole or plan.pipeline_length == 1
             assert m.held_param_bytes == m.param_bytes
             assert m.activation_bytes > 0 and not m.cuda
