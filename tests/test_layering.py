@@ -89,8 +89,9 @@ def test_only_the_comm_module_communicates():
     # same CPUs: torch there would add a second or two of CPU to the start-up.
     ("pt_ray.service.controller", ("torch", "timm", "transformers")),
     # A timm run's workers (and the driver's preflight) never need transformers, which takes
-    # seconds of CPU to import: only model.family=hf loads it.
-    ("pt_ray.service.worker", ("transformers",)),
+    # seconds of CPU to import: only model.family=hf loads it. Nor torch's pipelining (with
+    # torch._dynamo, about 2 s of CPU): only a plan with K > 1 loads it.
+    ("pt_ray.service.worker", ("transformers", "torch.distributed.pipelining", "torch._dynamo")),
 ])
 def test_what_a_run_starts_imports_only_what_it_needs(module, banned):
     import subprocess

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from pt_ray.models.base import ModelAdapter, State, run_blocks
 from pt_ray.plan import Plan
@@ -68,7 +67,7 @@ def probe_shapes(adapter: ModelAdapter, inputs: State, precision: Precision) -> 
 
     return Shapes(specs(one), specs(state), specs((out,)))
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
 class StageModule(nn.Module):
@@ -167,6 +166,10 @@ def build_schedule(
     example inputs and outputs (``microbatch`` rows of ``shapes``) are given up front, so the
     schedule infers nothing at run time.
     """
+    # Imported here, not at the top: torch.distributed.pipelining pulls in torch._dynamo and
+    # DTensor (about 2 s of CPU per worker), which a run that never pipelines (K = 1) skips.
+    from torch.distributed import pipelining
+
     m = plan.num_microbatches
 
     def per_microbatch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -180,12 +183,12 @@ def build_schedule(
             for shape, dtype in specs)
 
     first_in = shapes.state if module.state_inputs else shapes.inputs
-    pipe_stage = PipelineStage(
+    pipe_stage = pipelining.PipelineStage(
         module, stage, plan.pipeline_length, device,
         input_args=(examples(first_in, False) if module.is_first
                     else examples(shapes.state, True)),
         output_args=examples(shapes.output if module.is_last else shapes.state, True),
         group=group,
     )
-    cls = _SCHEDULES[plan.schedule]
+    cls = getattr(pipelining, _SCHEDULES[plan.schedule])
     return cls(pipe_stage, n_microbatches=m, loss_fn=per_microbatch_loss, scale_grads=False)
