@@ -17,7 +17,9 @@ objects; the cache keeps at most ``samples / block_size``), hit rates and timing
 ``<out>/cache_objects.json``. With ``--nodes N`` the run is on a cluster of N nodes on this
 machine (``ray.cluster_utils.Cluster``, each node with its own ``--store-mib`` object store and
 one owner), replica r pinned to node ``r % N``, and each epoch also reports per node: bytes,
-objects, local and remote reads (objects) and refused rows. Usage:
+objects, local and remote reads (objects) and refused rows. The epoch's objects and bytes are
+the cache's distinct contents (each row once); ``stored_bytes`` and ``stored_objects`` add up
+every node's copy. Usage:
 
     python bench/cache_objects.py [--samples 100000] [--block-size 64] [--batch 256]
                                   [--replicas 2] [--tokens 5] [--width 64] [--nodes 1]
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "epoch": epoch, "depth": level, **total,
                 "hit_rate": total["hits"] / max(total["rows"], 1),
                 "objects": stats.objects, "bytes": stats.bytes,
+                "stored_objects": stats.stored_objects, "stored_bytes": stats.stored_bytes,
                 "pending_bytes": stats.pending_bytes, "refused_rows": stats.refused_rows,
                 "released_objects": stats.released_objects, "wall_s": wall,
                 "read_s_per_replica": max(p["io_s"] for p in per),
@@ -166,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
             })
             e = epochs[-1]
             print(f"epoch {epoch} depth {level}: {e['objects']} objects, "
-                  f"{e['bytes'] / 2**20:.1f} MiB, hits {e['hit_rate']:.0%} "
+                  f"{e['bytes'] / 2**20:.1f} MiB (stored {e['stored_bytes'] / 2**20:.1f} MiB "
+                  f"in {e['stored_objects']} objects), hits {e['hit_rate']:.0%} "
                   f"(advanced {e['advanced']}, misses {e['misses']}), "
                   f"{e['refused_rows']} refused, {wall:.1f} s")
             before = epochs[-2]["nodes"] if len(epochs) > 1 else {}

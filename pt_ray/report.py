@@ -215,10 +215,12 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
 def cache_nodes_table(summary: SummaryLike) -> str:
     """The activation cache per node at the end of a run (``cache.nodes`` of the summary):
     bytes, objects, reads of the node's workers served on the node and from other nodes
-    (objects), rows refused (budget or backlog) and bytes the node's store spilled to disk;
-    ``""`` for a run without it."""
+    (objects), rows refused (budget or backlog) and bytes the node's store spilled to disk,
+    under the cache's distinct size (each row once) beside what the nodes store together
+    (copies included); ``""`` for a run without it."""
     s = load_summary(summary)
-    nodes = (s.get("cache") or {}).get("nodes") or {}
+    cache = s.get("cache") or {}
+    nodes = cache.get("nodes") or {}
     if not nodes:
         return ""
     head = ["node", "MiB", "objects", "local reads", "remote reads", "refused rows",
@@ -229,8 +231,12 @@ def cache_nodes_table(summary: SummaryLike) -> str:
              _fmt(n.get("spilled_bytes", float("nan")) / 2**20, ".1f")]
             for node, n in sorted(nodes.items())]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    out = ["activation cache per node (reads in objects)",
-           "  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    out = ["activation cache per node (reads in objects)"]
+    if "stored_bytes" in cache:  # summaries from before the copies were told apart lack it
+        out.append(f"cache {cache['bytes'] / 2**20:.1f} MiB in {cache['objects']} objects, "
+                   f"stored as {cache['stored_bytes'] / 2**20:.1f} MiB in "
+                   f"{cache['stored_objects']} objects on {len(nodes)} nodes")
+    out.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
 

@@ -86,8 +86,11 @@ class EpochRecord:
         eval_time_s: wall time of the evaluation.
         cache_saved_s: estimated wall time the cache saved in the epoch against recomputing
             the frozen prefix (per replica, net of the time spent reading the cache).
-        cache_bytes: bytes the cache held at the end of the epoch.
-        cache_objects: objects the cache held at the end of the epoch.
+        cache_bytes: bytes the cache held at the end of the epoch, each row once however
+            many nodes' stores hold a copy (``summary.json``'s ``cache.stored_bytes`` and
+            ``cache.nodes`` give the copies).
+        cache_objects: objects the cache held at the end of the epoch (each block and depth
+            once, however many nodes hold it).
         cache_cost_ratio: what the frozen prefix cost per sample with the cache (reads, layers
             run for misses and advances, writes) over its measured forward per sample without
             it; 0 when the cache served nothing.

@@ -15,7 +15,7 @@ from pt_ray.data.sampler import CacheBlocks, GlobalSampler
 from pt_ray.hwprofile import load_hardware
 from pt_ray.plan import CostTable, LayerCost, Planner
 from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy, training_sampler
-from pt_ray.runtime.cache import Segment
+from pt_ray.runtime.cache import Segment, distinct_figures
 from pt_ray.runtime.prefix import CachedPrefix, gather_rows_on_device, gather_rows_on_host
 from pt_ray.runtime.reference import build_model_for
 
@@ -251,6 +251,25 @@ def test_budget_refuses_and_restart_invalidates():
     full: BlockIndex = BlockIndex(10**6, put=failing_put, load=lambda p: p)
     full.add(0, 0, 1, 1, payload([0]))  # a full store: refused, no exception
     assert full.stats.objects == 0 and full.stats.refused_rows == 1
+
+
+def test_distinct_figures_count_each_row_once_however_many_stores_copy_it():
+    def store(pieces):
+        idx: BlockIndex = BlockIndex(10**6, put=lambda p: p, load=lambda p: p)
+        for block, level, ids in pieces:
+            idx.add(0, block, 4, level, payload(ids, level=level))
+        idx.flush()
+        return idx
+
+    a = store([(0, 1, [0, 1, 2, 3]), (1, 1, [4, 5])])
+    # A second node: a full copy of block 0, the other half of block 1, block 2 deeper.
+    b = store([(0, 1, [0, 1, 2, 3]), (1, 1, [6, 7]), (2, 2, [8, 9])])
+    row = a.stats.bytes // 6
+    assert distinct_figures([a.contents(), b.contents()]) == (10 * row, 3)
+    # Summing the stores' own figures counts block 0's copy twice (what the run reported).
+    assert a.stats.bytes + b.stats.bytes == 14 * row and a.stats.objects + b.stats.objects == 5
+    assert distinct_figures([a.contents(), a.contents()]) == (a.stats.bytes, a.stats.objects)
+    assert distinct_figures([]) == (0, 0)
 
 
 def test_bfloat16_round_trips_bit_for_bit():

@@ -1,11 +1,13 @@
 """The activation cache on a two-node cluster on one machine (``ray.cluster_utils.Cluster``, each
 node with its own object store): one owner per node, reads that stay on the node after the
-first epoch at a depth, killed owners that turn into remote reads and then misses (never a
-wrong row), and a tiny job with the cache on that still ends where the reference does."""
+first epoch at a depth, killed owners and a lost node that turn into remote reads and then
+misses (never a wrong row), figures that count each row once however many nodes copy it, and a
+tiny job with the cache on that still ends where the reference does."""
 
 from __future__ import annotations
 
 import sys
+import time
 import types
 import uuid
 
@@ -36,10 +38,10 @@ STORE_BYTES = 80 * 2**20
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def local_cluster():
     """A head without CPUs (no worker or owner lands there) and two 1-CPU nodes with their own
-    80 MiB object stores; yields the two worker nodes' ids. A session cluster already
-    connected (conftest's ``ray_cluster``) is shut down here and started again afterwards."""
+    80 MiB object stores. A session cluster already connected (conftest's ``ray_cluster``) is
+    shut down here and started again afterwards. A test that removes a node adds it first."""
     was_up = ray.is_initialized()
     if was_up:
         ray.shutdown()
@@ -50,15 +52,21 @@ def two_nodes():
             cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="WARNING")
-        nodes = sorted(n["NodeID"] for n in ray.nodes()
-                       if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
-        assert len(nodes) == 2
-        yield nodes
+        yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
         if was_up:  # as conftest's ray_cluster started it
             ray.init(**SESSION_RAY)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(local_cluster):
+    """The ids of ``local_cluster``'s two worker nodes."""
+    nodes = sorted(n["NodeID"] for n in ray.nodes()
+                   if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+    assert len(nodes) == 2
+    return nodes
 
 
 class _Embed(nn.Module):
@@ -147,7 +155,10 @@ def test_owners_are_per_node_and_reads_stay_local_after_the_first_epoch_at_a_dep
         assert figures["remote_reads"] == 0 and figures["local_reads"] > 0
         assert figures["refused_rows"] == 0
         assert figures["budget_bytes"] == int(0.5 * STORE_BYTES)
-    assert report["objects"] == 2 * blocks.num_blocks
+    # The run's figures count each row once; the copies are counted apart.
+    assert report["objects"] == blocks.num_blocks
+    assert report["stored_objects"] == 2 * blocks.num_blocks
+    assert report["stored_bytes"] == 2 * report["bytes"] > 0
     for actor in [*owners.values(), *replicas]:
         ray.kill(actor)
 
@@ -182,8 +193,11 @@ def test_tiny_job_on_two_nodes_reads_locally_and_ends_on_the_reference(two_nodes
     assert [r.cache_hit_rate for r in run.timeline] == [0.0, 0.0, 1.0, 1.0]
     nodes = run.cache["nodes"]
     assert sorted(nodes) == two_nodes
-    # Both replicas' nodes end holding every block at depth 3.
+    # Both replicas' nodes end holding every block at depth 3; the run's figures count it once.
     assert all(n["objects"] == 128 // 16 and n["refused_rows"] == 0 for n in nodes.values())
+    assert run.cache["objects"] == run.timeline[-1].cache_objects == 128 // 16
+    assert run.cache["stored_objects"] == 2 * 128 // 16
+    assert run.cache["stored_bytes"] == 2 * run.cache["bytes"] == 2 * run.timeline[-1].cache_bytes
 
     reference = ReferenceTrainer(job(engine="reference"))
     reference.fit()
@@ -191,3 +205,61 @@ def test_tiny_job_on_two_nodes_reads_locally_and_ends_on_the_reference(two_nodes
     worst = max(float((layers[name]["params"][k] - v).abs().max())
                 for name, m in iter_layers(reference.adapter) for k, v in m.state_dict().items())
     assert worst <= 1e-4
+
+
+def _wait_for_node_death(node: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(n["NodeID"] == node and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "the removed node still shows alive"
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_turns_its_rows_into_misses_or_reads_of_a_surviving_copy(
+        local_cluster, two_nodes):
+    a, b = two_nodes
+    lost = local_cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES)
+    local_cluster.wait_for_nodes()
+    x = lost.node_id
+    run_id = f"test-lost-{uuid.uuid4().hex[:6]}"
+    owners = create_owners(run_id, 0.5)
+    assert sorted(owners) == sorted([a, b, x])
+    names = {node: cache_name(run_id, node) for node in owners}
+    blocks = CacheBlocks(256, 16, 0)
+    on = lambda node: Replica.options(  # noqa: E731
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+    # The replica on the node to be lost computes every row; node b's owner copies the even
+    # blocks (as b's worker would at an epoch's end), node a's holds nothing.
+    rx, ra = on(x).remote(names, blocks), on(a).remote(names, blocks)
+    order = blocks.order(0, 0)
+    steps = [order[s:s + 32] for s in range(0, len(order), 32)]
+    assert ray.get(rx.epoch.remote(steps, 1))["misses"] == 256
+    ray.get(rx.flush.remote())
+    held = ray.get(owners[x].holdings.remote())
+    copied = [e for e in held if e[0] % 2 == 0]
+    assert len(held) == blocks.num_blocks and ray.get(owners[b].adopt.remote(copied)) > 0
+    kept = sum(len(e[3]) for e in copied)
+
+    local_cluster.remove_node(lost)  # its owner, its replica and its objects go with it
+    _wait_for_node_death(x)
+    # Node a's replica still holds a handle to the lost owner: the copied rows are read from
+    # b (remote), the rest recomputed; every row is checked inside the replica.
+    t0 = time.monotonic()
+    after = ray.get(ra.epoch.remote(steps, 1))
+    assert (after["hits"], after["misses"], after["local"]) == (kept, 256 - kept, 0)
+    assert after["remote"] > 0 and time.monotonic() - t0 < 60
+
+    # A worker started after its node's owner died (a restart): b's owner stands in for it,
+    # reads and writes; the lost node's owner is left out, never a crash.
+    ray.kill(owners[a])
+    wait_until_dead(owners[a])
+    fresh = on(a).remote(names, blocks)
+    first = ray.get(fresh.epoch.remote(steps, 1))
+    assert (first["hits"], first["misses"], first["local"]) == (kept, 256 - kept, 0)
+    ray.get(fresh.flush.remote())
+    second = ray.get(fresh.epoch.remote(steps, 1))
+    assert (second["hits"], second["local"]) == (256, 0) and second["remote"] > 0
+    report = owners_report({node: owners[node] for node in (a, b)}, timeout_s=10)
+    assert report["nodes"][a] == {} and report["nodes"][b]["objects"] == blocks.num_blocks
+    for actor in [owners[b], ra, fresh]:
+        ray.kill(actor)

@@ -345,5 +345,11 @@ def test_cache_nodes_table_shows_each_node_and_is_empty_without_them():
     assert lines[0].startswith("activation cache per node") and len(lines) == 4
     assert lines[2].split() == ["a" * 12, "3.0", "8", "16", "0", "2", "0.0"]
     assert lines[3].split()[4] == "5"
+    # With the run's totals: the distinct size, then what both nodes' stores hold together.
+    lines = cache_nodes_table({"timeline": [{"epoch": 0}], "cache": {
+        "bytes": 3 * 2**20, "objects": 8, "stored_bytes": 6 * 2**20, "stored_objects": 16,
+        "nodes": {"a" * 40: node, "b" * 40: node}}}).splitlines()
+    assert len(lines) == 5 and lines[1] == ("cache 3.0 MiB in 8 objects, stored as 6.0 MiB in "
+                                            "16 objects on 2 nodes")
     assert cache_nodes_table({"timeline": [{"epoch": 0}], "cache": {}}) == ""
     assert cache_nodes_table({"timeline": [{"epoch": 0}]}) == ""

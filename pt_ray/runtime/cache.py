@@ -35,9 +35,11 @@ __all__ = [
     "ActivationStore",
     "BlockIndex",
     "CacheStats",
+    "Contents",
     "InMemoryStore",
     "Payload",
     "Segment",
+    "distinct_figures",
     "from_numpy",
     "to_numpy",
     "training_sampler",
@@ -111,6 +113,31 @@ class CacheStats:
     stale_rows: int = 0
     released_objects: int = 0
     lost_objects: int = 0
+
+
+Contents = list[tuple[int, int, np.ndarray, int]]
+"""A store's objects as ``(block, depth, sample ids, bytes)`` (:meth:`BlockIndex.contents`)."""
+
+
+def distinct_figures(stores: Sequence[Contents]) -> tuple[int, int]:
+    """The bytes and objects of several stores' contents with each row counted once, however
+    many stores hold a copy: the size of the cache as a user means it (each store's own
+    :class:`CacheStats` counts its copies, so their sum grows with the number of nodes).
+
+    Args:
+        stores: per store, its :meth:`BlockIndex.contents`.
+
+    Returns:
+        ``(bytes, objects)``: the distinct rows of each ``(block, depth)`` at that object's bytes
+        per row (the rows of one depth share a shape), and the distinct ``(block, depth)``.
+    """
+    rows: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+    for contents in stores:
+        for block, level, ids, nbytes in contents:
+            held = rows.get((block, level))
+            union = ids if held is None else np.union1d(held[0], ids)
+            rows[(block, level)] = (union, nbytes // len(ids) if len(ids) else 0)
+    return sum(len(ids) * per_row for ids, per_row in rows.values()), len(rows)
 
 
 @runtime_checkable
@@ -270,6 +297,11 @@ class BlockIndex(Generic[H]):
             self.stats.objects -= 1
         if not depths:
             self.objects.pop(block, None)
+
+    def contents(self) -> Contents:
+        """``(block, depth, sample ids, bytes)`` of every object (for :func:`distinct_figures`)."""
+        return [(b, lv, ids, nbytes) for b, depths in self.objects.items()
+                for lv, (_, ids, nbytes) in depths.items()]
 
     def lookup(self, blocks: Sequence[int], level: int) -> list[tuple[int, int, H]]:
         """``(block, level, handle)`` of every object of ``blocks`` at ``level`` or shallower,

@@ -31,8 +31,14 @@ sampler gives a sample to a different replica each epoch, so a partitioned cache
 about ``(R - 1) / R`` of its rows from other nodes in every epoch; the copy makes every read
 after the first epoch at a depth local, at the cost of each node's store holding the whole
 cache (its own budget refuses what does not fit, and those rows are read from the owner that
-has them). A node without an owner (one that joined after the start) writes to and reads from
-the others (remote).
+has them).
+
+A node without a live owner writes to and reads from another node's owner (remote): a node
+that joined after the start (the driver creates the owners before Ray Train's ``fit`` and
+waits inside it; an owner made by a worker would die with it), or one whose owner died before
+its worker started. The figures count each row once: ``bytes`` and
+``objects`` are the cache's distinct contents (:func:`pt_ray.runtime.cache.distinct_figures`),
+``stored_bytes`` what every node's store holds together, copies included.
 
 Any failure (an owner gone, an object lost or evicted, a timeout) reads as a miss and the
 prefix is recomputed: never a crash, never a wrong row.
@@ -51,7 +57,14 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pt_ray.logs import setup_logging
-from pt_ray.runtime.cache import BlockIndex, CacheStats, Payload, Segment
+from pt_ray.runtime.cache import (
+    BlockIndex,
+    CacheStats,
+    Contents,
+    Payload,
+    Segment,
+    distinct_figures,
+)
 
 __all__ = [
     "CacheActor",
@@ -186,6 +199,10 @@ class CacheActor:
         return [(b, lv, ref, ids) for b, depths in self.index.objects.items()
                 for lv, (ref, ids, _) in depths.items()]
 
+    def contents(self) -> Contents:
+        """``(block, depth, ids, bytes)`` of every object (for :func:`distinct_figures`)."""
+        return self.index.contents()
+
     def adopt(self, entries: list[tuple[int, int, ray.ObjectRef, np.ndarray]]) -> int:
         """Copy in other owners' objects ``(block, depth, ref, ids)`` holding rows this node
         lacks at that depth or deeper (fetched across nodes once; refused past the budget),
@@ -257,11 +274,14 @@ class RayStore:
     (or of a new depth) and dropped by :meth:`drain` at the epoch's end: one call per owner
     per epoch instead of one per step. Another node's object is read only where this node's
     owner holds fewer rows of that block (at any depth). :meth:`flush` (end of an epoch)
-    has this node's owner copy in what the others hold.
+    has this node's owner copy in what the others hold. Without a live owner on this node
+    another node's owner stands in for it (its reads count as remote); with none at all,
+    every read is a miss and every write is dropped.
 
     Args:
         owners: ``{node id: actor name}`` of the per-node owners (:func:`create_owners`), or
-            one actor name serving every node (a single owner, as on one node).
+            one actor name serving every node (a single owner, as on one node). Owners not
+            found or not answering within ``timeout_s`` (gone with their node) are left out.
         timeout_s: longest wait for a lookup or a read before it counts as a miss.
         max_inflight: most batches in flight; past it, writes are dropped (not waited for).
         batch_bytes: rows are sent once this many bytes wait (and at the end of an epoch).
@@ -271,21 +291,7 @@ class RayStore:
                  max_inflight: int = 16, batch_bytes: int = 4 * 2**20) -> None:
         self.node = ray.get_runtime_context().get_node_id()
         if isinstance(owners, str):
-            local, others = owners, []
-        else:
-            local = owners.get(self.node)
-            others = sorted(name for node, name in owners.items() if name != local)
-            if local is None:  # a node without an owner: write to another one (remote)
-                local, others = others[0], others[1:]
-                logger.warning("activation cache: no owner on node %s; using %s",
-                               self.node[:8], local)
-        self.actor = ray.get_actor(local)
-        self.peers: dict[str, Any] = {}
-        for name in others:
-            try:
-                self.peers[name] = ray.get_actor(name)
-            except ValueError:  # that node's owner is gone: its rows are misses
-                logger.warning("activation cache: owner %s not found", name)
+            owners = {self.node: owners}
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
         self.batch_bytes = batch_bytes
@@ -299,13 +305,48 @@ class RayStore:
         self._snapshot: dict[int, list[_Entry]] | None = None
         self._snapshot_level: int | None = None
         self._warned = False
-        self._lineage = self._call("lineage", default=0)
-        self._peer_lineage = {name: self._call("lineage", default=0, actor=actor)
-                              for name, actor in self.peers.items()}
+        live = self._live_owners([owners.get(self.node), *sorted(owners.values())])
+        local = owners.get(self.node)
+        if local not in live and live:
+            # A node without a live owner (joined after the start, or its owner died): write
+            # to another node's owner and read from it (remote).
+            local = next(iter(live))
+            logger.warning("activation cache: no owner on node %s; using %s", self.node[:8],
+                           local)
+        # None when no owner is left at all: every read is a miss, every write dropped.
+        self.actor, self._lineage = live.pop(local, (None, 0))
+        self.on_node = local == owners.get(self.node)  # reads from self.actor are local
+        self.peers: dict[str, Any] = {name: actor for name, (actor, _) in live.items()}
+        self._peer_lineage = {name: lineage for name, (_, lineage) in live.items()}
+
+    def _live_owners(self, names: Sequence[str | None]) -> dict[str, tuple[Any, int]]:
+        """``{name: (actor, lineage)}`` of the owners of ``names`` that answer within the
+        timeout, in the order given. An owner lost with its node may still be found by name
+        (its handle then fails), so each is asked for its lineage, all at once."""
+        handles: dict[str, Any] = {}
+        for name in dict.fromkeys(n for n in names if n is not None):
+            try:
+                handles[name] = ray.get_actor(name)
+            except ValueError:  # that node's owner is gone: its rows are misses
+                logger.warning("activation cache: owner %s not found", name)
+        refs = {name: actor.lineage.remote() for name, actor in handles.items()}
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        live = {}
+        for name, ref in refs.items():
+            try:
+                live[name] = (handles[name], ray.get(ref, timeout=0))
+            except RayError as err:  # dead with its node, or too slow: left out
+                logger.warning("activation cache: owner %s does not answer (%s)", name,
+                               type(err).__name__)
+        return live
 
     def _call(self, method: str, *args: Any, default: Any = None, actor: Any = None) -> Any:
+        actor = self.actor if actor is None else actor
+        if actor is None:
+            self._warn("no cache owner found")
+            return default
         try:
-            actor = self.actor if actor is None else actor
             return ray.get(getattr(actor, method).remote(*args), timeout=self.timeout_s)
         except RayError as err:
             self._warn(f"{method} failed ({type(err).__name__})")
@@ -361,7 +402,7 @@ class RayStore:
             if value is None:
                 lost.setdefault(owner, []).append((block, lv))
                 continue
-            if owner is None:
+            if owner is None and self.on_node:
                 self.local_reads += 1
             else:
                 self.remote_reads += 1
@@ -402,7 +443,7 @@ class RayStore:
         if self._inflight:
             _, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight),
                                          timeout=0)
-        if len(self._inflight) >= self.max_inflight:
+        if len(self._inflight) >= self.max_inflight or self.actor is None:
             self.dropped_rows += sum(len(item[3]) for item in batch)
             return
         try:
@@ -438,7 +479,8 @@ class RayStore:
         that, then have this node's owner copy in what they hold and it lacks."""
         self._send()
         if not self.peers:
-            self.actor.flush.remote()
+            if self.actor is not None:
+                self.actor.flush.remote()
             return
         for actor in [self.actor, *self.peers.values()]:
             self._call("flush", default=None, actor=actor)
@@ -460,37 +502,56 @@ class RayStore:
         self._lineage = self._call("lineage", default=self._lineage)
 
     def stats(self) -> CacheStats:
-        """The figures summed over every owner (bytes held on every node together)."""
+        """The figures summed over every owner, but ``bytes`` and ``objects`` count each row
+        once however many nodes' stores hold a copy (:func:`distinct_figures`)."""
         self._send()
-        stats = self._call("stats", default=None) or CacheStats()
-        for actor in self.peers.values():
+        stats, contents = CacheStats(), []
+        for actor in [self.actor, *self.peers.values()]:
             more = self._call("stats", default=None, actor=actor)
-            if more is not None:
-                for f in fields(CacheStats):
-                    setattr(stats, f.name, getattr(stats, f.name) + getattr(more, f.name))
+            if more is None:
+                continue
+            _add(stats, more)
+            if self.peers:  # one owner holds no copies: its own figures are distinct
+                contents.append(self._call("contents", default=[], actor=actor))
+        if self.peers:
+            stats.bytes, stats.objects = distinct_figures(contents)
         stats.refused_rows += self.dropped_rows
         return stats
 
 
+def _add(total: CacheStats, more: CacheStats) -> None:
+    """Add ``more`` into ``total``, field by field."""
+    for f in fields(CacheStats):
+        setattr(total, f.name, getattr(total, f.name) + getattr(more, f.name))
+
+
 def owners_report(owners: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
-    """The driver's final cache figures: the sum over owners (the fields of
-    :class:`CacheStats`) and ``nodes``: per node id, :meth:`CacheActor.node_stats` (empty for
-    an owner that did not answer)."""
+    """The driver's final cache figures: the fields of :class:`CacheStats` summed over owners,
+    but ``bytes`` and ``objects`` the cache's distinct contents (each row counted once,
+    however many nodes hold a copy); ``stored_bytes`` and ``stored_objects``: what every
+    node's store holds together (copies included); ``nodes``: per node id,
+    :meth:`CacheActor.node_stats` (empty for an owner that did not answer)."""
     total = CacheStats()
+    stored = {"stored_bytes": 0, "stored_objects": 0}
+    contents: list[Contents] = []
     nodes: dict[str, dict[str, Any]] = {}
     for node, actor in owners.items():
         try:
-            stats, figures = ray.get([actor.stats.remote(), actor.node_stats.remote()],
-                                     timeout=timeout_s)
+            stats, figures, held = ray.get(
+                [actor.stats.remote(), actor.node_stats.remote(), actor.contents.remote()],
+                timeout=timeout_s)
         except RayError as err:
             logger.warning("activation cache on node %s: no final figures (%s)", node[:8],
                            type(err).__name__)
             nodes[node] = {}
             continue
-        for f in fields(CacheStats):
-            setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+        _add(total, stats)
+        stored["stored_bytes"] += stats.bytes
+        stored["stored_objects"] += stats.objects
+        contents.append(held)
         nodes[node] = figures
-    return {**asdict(total), "nodes": nodes}
+    total.bytes, total.objects = distinct_figures(contents)
+    return {**asdict(total), **stored, "nodes": nodes}
 
 
 def object_store_report() -> dict[str, int]:

@@ -326,16 +326,18 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
 
 
 def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:
-    """The cache owners' final figures (summed, and per node under ``nodes``) and the object
-    store's, logged in one line."""
+    """The cache owners' final figures (:func:`owners_report`: distinct contents, what every
+    node stores, per node under ``nodes``) and the object store's, logged in one line."""
     stats = owners_report(owners)
     if not any(stats["nodes"].values()):
         logger.warning("activation cache: no final figures")
         return {}
     store = object_store_report()
     logger.info(
-        "activation cache: %.1f MiB in %d objects (budget %.0f MiB), %d rows refused; "
-        "object store: %.1f MiB spilled to disk in %d objects", stats["bytes"] / 2**20,
-        stats["objects"], stats["budget_bytes"] / 2**20, stats["refused_rows"],
-        store.get("spilled_bytes", 0) / 2**20, store.get("spilled_objects", 0))
+        "activation cache: %.1f MiB in %d objects, stored as %.1f MiB on %d nodes (budget "
+        "%.0f MiB in all), %d rows refused; object store: %.1f MiB spilled to disk in %d "
+        "objects", stats["bytes"] / 2**20, stats["objects"], stats["stored_bytes"] / 2**20,
+        sum(1 for n in stats["nodes"].values() if n), stats["budget_bytes"] / 2**20,
+        stats["refused_rows"], store.get("spilled_bytes", 0) / 2**20,
+        store.get("spilled_objects", 0))
     return {**stats, "object_store": store}
