@@ -116,3 +116,62 @@ def test_peer_that_stops_answering_inside_a_collective_fails_within_the_timeout_
     assert result.restarts == 1
     assert [r.epoch for r in result.timeline] == [0, 1, 2]
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+def _record(epoch: int, num_layers: int = 4):
+    from pt_ray.summary import EpochRecord
+
+    return EpochRecord(epoch=epoch, num_frozen=0, num_layers=num_layers, pipeline_length=1,
+                       num_replicas=1, num_microbatches=1, throughput_samples_per_s=1.0,
+                       epoch_time_s=1.0, transition_time_s=0.0, cache_hit_rate=0.0,
+                       train_loss=1.0 / (epoch + 1), eval_metric=0.5, eval_time_s=0.0)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_checkpoint(
+        ray_cluster, tmp_path):
+    # The race a worker can lose: Ray restarts a killed controller before the worker's next
+    # call, so the epoch's record and norms reach an actor that holds no state yet. They must
+    # read as a lost controller (restore, then send again), never as an error of the run.
+    import time as _time
+
+    import ray
+
+    from pt_ray.plan import CostTable
+    from pt_ray.runtime.checkpoint import write_meta
+    from pt_ray.service.controller import ControllerActor, RayController, controller_name
+
+    cfg = tiny_config(tmp_path, pipeline={"num_workers": 1, "policy": "paper"})
+    name = controller_name(f"restart-{tmp_path.name}")
+    actor = ControllerActor.options(name=name, max_restarts=1).remote(
+        cfg.model_dump(mode="json"), str(tmp_path / "ray"))
+    handle = RayController(name, timeout_s=60)
+    handle.setup(4, 1, 8, "accuracy", "local-cpu")
+    handle.submit_costs(0, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
+    handle.plan_for(0)
+    handle.record(0, _record(0))
+    handle.submit_norms(0, 0, {b: 1.0 for b in range(4)})
+    handle.plan_for(1)
+    # The checkpoint a worker writes after epoch 0: taken at decision 1's start.
+    write_meta(tmp_path / "ray" / "checkpoint_2026-12-01_00-00-00.000000",
+               {"epoch": 0, "next_decision": 1, "num_shards": 0,
+                "controller": handle.state_dict()})
+
+    ray.kill(actor, no_restart=False)
+    deadline = _time.monotonic() + 60
+    while True:  # until the restarted actor answers, empty
+        try:
+            assert ray.get(actor.timeline.remote(), timeout=5) == []
+            break
+        except ray.exceptions.RayActorError:
+            assert _time.monotonic() < deadline, "the controller did not come back"
+            _time.sleep(0.2)
+
+    handle.record(0, _record(1))
+    handle.submit_norms(1, 0, {b: 0.5 for b in range(4)})
+    assert handle.plan_for(2) is not None
+    timeline = ray.get(actor.timeline.remote())
+    assert [r.epoch for r in timeline] == [0, 1]
+    assert timeline[1].train_loss == 0.5
+    ray.kill(actor)

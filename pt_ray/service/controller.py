@@ -33,7 +33,7 @@ from pt_ray.hwprofile import HardwareProfile
 from pt_ray.plan import CostTable, Plan
 from pt_ray.summary import EpochRecord
 
-__all__ = ["ControllerActor", "RayController", "controller_name"]
+__all__ = ["ControllerActor", "ControllerRestarted", "RayController", "controller_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 def controller_name(run_id: str) -> str:
     """The actor name workers look the controller up by."""
     return f"pt-ray-controller:{run_id}"
+
+
+class ControllerRestarted(RuntimeError):
+    """A call reached a controller that Ray restarted and that nobody has restored yet: the
+    caller treats it as a lost controller (:meth:`RayController._recover`)."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -83,6 +88,13 @@ class ControllerActor:
         if self.state is None or self.state.num_workers != num_workers:
             self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch,
                                              hardware, deterministic_transform)
+
+    def _state(self) -> ControlState:
+        """The decision state; a restarted actor that has not been restored has none, which a
+        worker may reach before it learns of the restart (its call then recovers)."""
+        if self.state is None:
+            raise ControllerRestarted("the controller restarted and holds no state yet")
+        return self.state
 
     async def recover(self, setup_args: tuple, decision: int | None) -> int:
         """Restore a restarted controller from the run's latest complete checkpoint (the first
@@ -131,34 +143,34 @@ class ControllerActor:
         return self.recovered_after
 
     async def submit_costs(self, rank: int, costs: CostTable) -> None:
-        self.state.submit_costs(rank, costs)
+        self._state().submit_costs(rank, costs)
         await self._notify()
 
     async def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
-        self.state.submit_norms(decision, rank, norms)
+        self._state().submit_norms(decision, rank, norms)
         await self._notify()
 
     async def plan_for(self, decision: int) -> Plan:
         """The plan from ``decision`` on; waits until every rank's inputs are in."""
         async with self.changed:
-            await self.changed.wait_for(lambda: self.state.plan_for(decision) is not None)
-            return self.state.plan_for(decision)
+            await self.changed.wait_for(lambda: self._state().plan_for(decision) is not None)
+            return self._state().plan_for(decision)
 
     async def record(self, rec: EpochRecord) -> None:
-        self.state.record(rec)
+        self._state().record(rec)
 
     async def startup(self, figures: dict[str, float]) -> None:
         """Rank 0's start-up figures (see :meth:`RayController.startup`)."""
         self.startup_figures = dict(figures)
 
     async def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
+        return self._state().state_dict()
 
     async def resume(self, state: dict[str, Any], next_decision: int,
                      restart: bool = True) -> Plan:
         """Roll back to a checkpoint (rank 0 calls it): after a worker-group restart, or, with
         ``restart=False``, when a new run continues a stopped one (not counted as a restart)."""
-        plan = self.state.resume(state, next_decision)
+        plan = self._state().resume(state, next_decision)
         self.restarts += int(restart)
         await self._notify()
         return plan
@@ -182,6 +194,11 @@ class ControllerActor:
             self.changed.notify_all()
 
 
+# What a call that finds the controller lost raises: the actor died (or is restarting), or it
+# restarted and answered empty (Ray raises the actor's exception as an instance of its class).
+_LOST = (ray.exceptions.RayActorError, ControllerRestarted)
+
+
 class RayController:
     """The worker-side handle: the engine's ``Controller`` protocol over the named actor.
 
@@ -198,11 +215,28 @@ class RayController:
         self._record: EpochRecord | None = None  # rank 0's last record
         self._norms: tuple[int, int, dict[int, float]] | None = None  # the last submission
         self._decision: int | None = None  # the decision whose plan this worker trains under
+        # Rank 0's record, sent without waiting: its norms follow at once and both answers
+        # are awaited together (one round trip at the epoch's end instead of two).
+        self._pending: list[ray.ObjectRef] = []
+
+    def _settle(self) -> None:
+        """Wait for the calls sent without waiting, in the order sent; a lost controller
+        recovers (which sends the last record and norms again)."""
+        pending, self._pending = self._pending, []
+        for ref in pending:
+            try:
+                ray.get(ref, timeout=self.timeout_s)
+            except _LOST as err:
+                logger.warning("controller lost (%s); waiting for it to come back",
+                               type(err).__name__)
+                self._recover()
+                return
 
     def _call(self, method: str, *args: Any) -> Any:
+        self._settle()
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
-        except ray.exceptions.RayActorError as err:
+        except _LOST as err:
             logger.warning("controller lost during %s (%s); waiting for it to come back",
                            method, type(err).__name__)
         self._recover()
@@ -252,13 +286,17 @@ class RayController:
         return plan
 
     def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
+        # Answered before this worker goes on: a barrier (the epoch's report) may follow, and
+        # a rank that learnt of a lost controller only after it would leave rank 0 waiting.
         self._norms = (decision, rank, norms)
-        self._call("submit_norms", decision, rank, norms)
+        self._pending.append(self.actor.submit_norms.remote(decision, rank, norms))
+        self._settle()
 
     def record(self, rank: int, rec: EpochRecord) -> None:
         if rank == 0:  # every rank holds the same record
             self._record = rec
-            self._call("record", rec)
+            # Its answer is awaited with the norms that follow (or by any other call).
+            self._pending.append(self.actor.record.remote(rec))
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
