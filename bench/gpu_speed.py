@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pt_ray.config import build_config
-from pt_ray.control import build_control_state
+from pt_ray.core.config import build_config
+from pt_ray.core.control import build_control_state
 from pt_ray.data.base import DatasetSplits, TensorSampleDataset
-from pt_ray.hwprofile import profile_for_gpu
+from pt_ray.costs.hwprofile import profile_for_gpu
 from pt_ray.runtime.cache import InMemoryStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.reference import build_model_for
-from pt_ray.summary import ideal_speedup
+from pt_ray.reporting.summary import ideal_speedup
 
 FULL = {"image": 224, "patch": 16, "depth": 12, "width": 768, "heads": 12, "batch": 128,
         "steps": 25, "epochs": 10, "eval": 512, "classes": 10}

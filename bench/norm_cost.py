@@ -21,7 +21,7 @@ import time
 import torch
 
 from pt_ray.api import default_config_path
-from pt_ray.config import load_config
+from pt_ray.core.config import load_config
 from pt_ray.data.base import gather
 from pt_ray.runtime.reference import GradNormMeter, ReferenceTrainer, block_grad_norms
 from pt_ray.runtime.sync import BlockIndex, clip_grad_norm

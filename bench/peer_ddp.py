@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from pt_ray.config import RunConfig
+from pt_ray.core.config import RunConfig
 from pt_ray.data.base import SampleDataset
 from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.optim import lr_factor

@@ -10,7 +10,7 @@ a ``compare.json`` and prints it beside the measurement:
    ``pt_ray.runtime.profile.profile_costs`` times its layers at every micro-batch size the
    measured timelines ran (replica batch / M; 16 samples for both plans of the default job, so no
    scaling per sample is needed there). Several profiles are merged by their median, as the
-   controller merges the ranks' profiles (``pt_ray.control.merge_costs``).
+   controller merges the ranks' profiles (``pt_ray.core.control.merge_costs``).
 2. Calibrate one constant, once, for every arm. The profile times each layer on its own, so it
    lacks what a training step spends besides layer compute: the pipeline library's and gloo's
    per-micro-batch work, the per-block gradient norms, the clip, the optimizer's per-tensor
@@ -37,7 +37,7 @@ a ``compare.json`` and prints it beside the measurement:
    Ray Train's controller takes one per poll, every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``
    (2 s unless the JSON's env says otherwise), so an epoch cannot end sooner than one poll after
    the previous one once the queue is full (simulated, averaged over the poll's phase).
-5. End to end. ``pt_ray.simulate.simulate`` with pt-ray's measured freeze timeline as
+5. End to end. ``pt_ray.costs.simulate.simulate`` with pt-ray's measured freeze timeline as
    ``frozen=`` and the cost planner as the engine builds it (initial K, memory budget of the
    initial plan, cache mode) chooses the plans itself; its plans and times are shown beside the
    measured ones, with the calibrated hardware profile and with the shipped one, and with the
@@ -68,24 +68,24 @@ from typing import Any
 import torch
 
 from pt_ray.api import default_config_path, resolve_config
-from pt_ray.config import RunConfig
-from pt_ray.control import cache_policy, merge_costs
-from pt_ray.costmodel import (
+from pt_ray.core.config import RunConfig
+from pt_ray.core.control import cache_policy, merge_costs
+from pt_ray.costs.costmodel import (
     PT_RAY,
     HardwareProfile,
     load_hardware,
     step_time,
     transition_time,
 )
-from pt_ray.costplan import CostModelPlanner
+from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.data.base import gather
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import eval_shards
-from pt_ray.partition import partition
-from pt_ray.plan import CostTable, Plan
+from pt_ray.core.partition import partition
+from pt_ray.core.plan import CostTable, Plan
 from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.reference import build_model_for
-from pt_ray.simulate import simulate
+from pt_ray.costs.simulate import simulate
 
 TARGET_WALL = 0.20
 """Issue 5: predicted wall time within 20 % of the measured one, for both arms."""
@@ -448,7 +448,7 @@ def predict_wall(epochs: list[dict[str, Any]], fixed: dict[str, Any]) -> float |
 def end_to_end(data, cfg: RunConfig, costs: CostTable, hw: HardwareProfile, num_train: int,
                deterministic: bool, traffic: float, cache: str | None = None) -> dict[str, Any]:
     """``simulate`` with pt-ray's measured freeze timeline, choosing plans with the cost planner
-    as the engine builds it (``pt_ray.control.build_control_state``); ``cache`` overrides the
+    as the engine builds it (``pt_ray.core.control.build_control_state``); ``cache`` overrides the
     configured cache mode."""
     n_workers = data.get("num_workers") or cfg.pipeline.num_workers
     p = cfg.pipeline

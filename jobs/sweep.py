@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _make_importable()
     import pt_ray
-    from pt_ray.sweep_cli import add_sweep_parser
+    from pt_ray.cli.sweep import add_sweep_parser
 
     print(f"pt-ray job: pt_ray from {Path(pt_ray.__file__).parent}", flush=True)
     out = output_dir(argv)

@@ -76,7 +76,7 @@ def output_dir(
     Returns None when the config does not resolve: ``pt-ray train`` then reports the error.
     """
     from pt_ray.api import resolve_config
-    from pt_ray.config import ConfigError
+    from pt_ray.core.config import ConfigError
 
     env = dict(os.environ if env is None else env)
     try:

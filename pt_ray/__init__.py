@@ -18,11 +18,11 @@ from importlib import import_module
 from typing import Any
 
 from pt_ray.api import Result, default_config_path, fit, resolve_config
-from pt_ray.config import ConfigError, RunConfig, load_config
-from pt_ray.freeze import build_freeze_policy
-from pt_ray.partition import Partition, partition
-from pt_ray.plan import CostTable, LayerCost, Plan, Planner
-from pt_ray.summary import EpochRecord, RankMemory, ideal_speedup, read_summary
+from pt_ray.core.config import ConfigError, RunConfig, load_config
+from pt_ray.core.freeze import build_freeze_policy
+from pt_ray.core.partition import Partition, partition
+from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.reporting.summary import EpochRecord, RankMemory, ideal_speedup, read_summary
 
 __all__ = [
     "ActivationStore",
@@ -60,7 +60,7 @@ _LAZY = {
     "ReferenceTrainer": ("pt_ray.runtime.reference", "ReferenceTrainer"),
     "build_adapter": ("pt_ray.models.registry", "build_adapter"),
     "build_dataset": ("pt_ray.data.registry", "build_dataset"),
-    "export_run": ("pt_ray.export", "export_run"),
+    "export_run": ("pt_ray.runtime.export", "export_run"),
     "load_checkpoint_layers": ("pt_ray.runtime.checkpoint", "load_layers"),
     "SweepResult": ("pt_ray.service.tune", "SweepResult"),
     "sweep": ("pt_ray.service.tune", "sweep"),

@@ -11,8 +11,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pt_ray.config import ConfigError, RunConfig, apply_overrides, build_config, load_config
-from pt_ray.summary import EpochRecord, format_epoch, write_summary
+from pt_ray.core.config import ConfigError, RunConfig, apply_overrides, build_config, load_config
+from pt_ray.reporting.summary import EpochRecord, format_epoch, write_summary
 
 if TYPE_CHECKING:
     from pt_ray.data.base import DatasetSplits
@@ -105,11 +105,11 @@ def _write_extras(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> Non
     """The report PNG and TensorBoard scalars the config asks for (never fails the run)."""
     try:
         if cfg.logging.report:
-            from pt_ray.report import render_report
+            from pt_ray.reporting.report import render_report
 
             render_report(summary, run_dir / "report.png")
         if cfg.logging.tensorboard:
-            from pt_ray.tensorboard import write_tensorboard
+            from pt_ray.reporting.tensorboard import write_tensorboard
 
             write_tensorboard(summary, run_dir / "tensorboard")
     except Exception as err:  # a plot must not fail a finished run
@@ -120,7 +120,7 @@ def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str |
     """The trained model in its library's own format into ``run_dir/model`` (from the
     reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint); a failure
     is logged with the command that retries it, and never fails the finished run."""
-    from pt_ray.export import MODEL_DIR, export_adapter, export_checkpoint
+    from pt_ray.runtime.export import MODEL_DIR, export_adapter, export_checkpoint
 
     out = run_dir / MODEL_DIR
     try:
@@ -177,7 +177,7 @@ class Result:
             FileNotFoundError: the run wrote no export (the message gives the command that
                 writes one).
         """
-        from pt_ray.export import MODEL_DIR
+        from pt_ray.runtime.export import MODEL_DIR
         from pt_ray.models.export import load_exported
 
         return load_exported(self.run_dir / MODEL_DIR)
@@ -193,12 +193,12 @@ def fit(
     worker_env: dict[str, str] | None = None,
 ) -> Result:
     """Train a model with AutoFreeze and write ``config.yaml``, ``summary.json`` and the
-    trained model in its library's own format (``model/``, see :mod:`pt_ray.export`).
+    trained model in its library's own format (``model/``, see :mod:`pt_ray.runtime.export`).
 
     Args:
         config: a RunConfig, a dict of fields, a YAML path, or None for the default job.
         resume_from: the folder of a stopped run on Ray to continue (instead of ``config``):
-            its newest complete checkpoint is loaded (see :mod:`pt_ray.resume`) and the run
+            its newest complete checkpoint is loaded (see :mod:`pt_ray.runtime.resume`) and the run
             goes on in that folder; ``overrides`` may then change ``pipeline.*`` (e.g. the
             number of workers) and ``logging.*`` only.
         overrides: ``key=value`` strings applied on top (e.g. ``"freeze.alpha=0.25"``).
@@ -214,15 +214,15 @@ def fit(
             the GPUs; or, on a cluster already running, once Ray has connected and before any
             actor or worker has started: ``pipeline.use_gpu=true`` without its GPUs, or
             workers the cluster can never hold, or has no room for within
-            ``pipeline.placement_timeout_s`` (:class:`pt_ray.placement.PlacementError`). The
+            ``pipeline.placement_timeout_s`` (:class:`pt_ray.core.placement.PlacementError`). The
             same error ends a run whose workers Ray Train itself gave up placing (each try
             bounded by ``pipeline.placement_timeout_s``), once ``config.yaml`` is written.
             With ``resume_from``: the folder holds no run that can resume (see
-            :func:`pt_ray.resume.resume_point`), or ``config`` or ``output_dir`` was given too.
+            :func:`pt_ray.runtime.resume.resume_point`), or ``config`` or ``output_dir`` was given too.
     """
     resumed = None
     if resume_from is not None:
-        from pt_ray.resume import resume_point
+        from pt_ray.runtime.resume import resume_point
 
         if config is not None or output_dir is not None:
             raise ConfigError("resume_from continues a run with its own config.yaml in its own "
@@ -242,14 +242,14 @@ def fit(
         # An embedded cluster's GPUs are known now: a missing GPU fails before the preflight.
         choice = cluster_devices(cfg) if starts_embedded() else None
     else:
-        from pt_ray.devices import choose_devices
+        from pt_ray.core.devices import choose_devices
 
         choice = choose_devices(cfg, cluster_gpus=0)
         logger.info(choice.describe())
     built_from = time.perf_counter()
     splits, adapter = preflight(cfg)
     preflight_s = time.perf_counter() - built_from
-    from pt_ray.control import cache_policy
+    from pt_ray.core.control import cache_policy
 
     logger.info(cache_policy(cfg, splits.train.deterministic_transform).describe())
 
@@ -273,7 +273,7 @@ def fit(
         start(cfg)
         from pt_ray.runtime.reference import ReferenceTrainer
 
-        from pt_ray.steplog import StepReporter, StepWriter
+        from pt_ray.reporting.steplog import StepReporter, StepWriter
 
         # No Ray Train to report to: the step reports go to TensorBoard only, if on.
         steps = (StepReporter(writer=StepWriter(run_dir / "tensorboard"))

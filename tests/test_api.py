@@ -3,7 +3,7 @@
 import pytest
 
 from pt_ray.api import fit, resolve_config
-from pt_ray.config import ConfigError, RunConfig
+from pt_ray.core.config import ConfigError, RunConfig
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pt_ray.config import build_config
+from pt_ray.core.config import build_config
 from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.cache import training_sampler
 from pt_ray.runtime.reference import build_model_for

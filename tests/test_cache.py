@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from pt_ray.config import ConfigError, build_config, load_config
-from pt_ray.control import build_control_state, cache_policy
-from pt_ray.costplan import CostModelPlanner, cache_break_even
+from pt_ray.core.config import ConfigError, build_config, load_config
+from pt_ray.core.control import build_control_state, cache_policy
+from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler
-from pt_ray.hwprofile import load_hardware
-from pt_ray.plan import CostTable, LayerCost, Planner
+from pt_ray.costs.hwprofile import load_hardware
+from pt_ray.core.plan import CostTable, LayerCost, Planner
 from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy, training_sampler
 from pt_ray.runtime.cache import Segment, distinct_figures
 from pt_ray.runtime.prefix import CachedPrefix, gather_rows_on_device, gather_rows_on_host
@@ -132,7 +132,7 @@ def test_cache_config_reads_yaml_on_off_and_rejects_bad_values():
 def test_augmented_data_keeps_the_cache_off_and_the_log_says_why(caplog):
     c = cfg(data={"name": "synthetic_image", "num_samples": 64, "augment": True},
             pipeline={"policy": "paper"}, cache={"mode": "on"})
-    caplog.set_level("INFO", logger="pt_ray.control")
+    caplog.set_level("INFO", logger="pt_ray.core.control")
     state = build_control_state(c, 4, 2, 2, deterministic_transform=False)
     assert "training transform is random" in caplog.text
     for r in range(2):

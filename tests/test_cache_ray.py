@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from pt_ray.config import build_config
+from pt_ray.core.config import build_config
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import iter_layers, layer_names

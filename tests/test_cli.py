@@ -9,8 +9,8 @@ import pytest
 
 from pt_ray.api import default_config_path
 from pt_ray.cli import main
-from pt_ray.config import load_config
-from pt_ray.summary import EpochRecord, ideal_speedup
+from pt_ray.core.config import load_config
+from pt_ray.reporting.summary import EpochRecord, ideal_speedup
 
 pytestmark = pytest.mark.unit
 

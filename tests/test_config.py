@@ -2,7 +2,7 @@
 
 import pytest
 
-from pt_ray.config import ConfigError, RunConfig, build_config, load_config
+from pt_ray.core.config import ConfigError, RunConfig, build_config, load_config
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from pt_ray.config import build_config
-from pt_ray.control import build_control_state
-from pt_ray.costmodel import (
+from pt_ray.core.config import build_config
+from pt_ray.core.control import build_control_state
+from pt_ray.costs.costmodel import (
     PT_2021,
     PT_RAY,
     HardwareProfile,
@@ -20,10 +20,10 @@ from pt_ray.costmodel import (
     step_time,
     transition_time,
 )
-from pt_ray.costplan import CostModelPlanner
-from pt_ray.pipesim import run_schedule, stage_order
-from pt_ray.plan import CostTable, LayerCost, Plan, Planner
-from pt_ray.shapes import layer_shapes, model_shape, saved_activation_factor
+from pt_ray.costs.costplan import CostModelPlanner
+from pt_ray.costs.pipesim import run_schedule, stage_order
+from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.core.shapes import layer_shapes, model_shape, saved_activation_factor
 
 pytestmark = pytest.mark.unit
 

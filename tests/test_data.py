@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from local_models import TOKENIZER, needs_tokenizer
-from pt_ray.config import ConfigError, DataConfig
+from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.data import (
     Batch,
     SampleDataset,

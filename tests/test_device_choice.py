@@ -3,8 +3,8 @@ the driver, before any worker starts."""
 
 import pytest
 
-from pt_ray.config import ConfigError, RunConfig, build_config
-from pt_ray.devices import CPU_BACKEND, GPU_BACKEND, choose_devices
+from pt_ray.core.config import ConfigError, RunConfig, build_config
+from pt_ray.core.devices import CPU_BACKEND, GPU_BACKEND, choose_devices
 
 pytestmark = pytest.mark.unit
 

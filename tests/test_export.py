@@ -17,13 +17,13 @@ from safetensors.torch import save_file
 from local_models import minilm_dir
 from pt_ray.api import Result, fit
 from pt_ray.cli import main
-from pt_ray.config import ModelConfig, RunConfig, build_config
+from pt_ray.core.config import ModelConfig, RunConfig, build_config
 from pt_ray.data.base import gather
 from pt_ray.data.registry import build_dataset
 from pt_ray.models import build_adapter, forward_layers
 from pt_ray.models.export import export_model
 from pt_ray.models.vit import TimmViTAdapter
-from pt_ray.summary import write_summary
+from pt_ray.reporting.summary import write_summary
 
 pytestmark = pytest.mark.unit
 

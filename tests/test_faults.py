@@ -1,4 +1,4 @@
-"""Faults at the worst moments, injected by name (``pt_ray.faults``): each run either recovers
+"""Faults at the worst moments, injected by name (``pt_ray.runtime.faults``): each run either recovers
 to the state a fault-free run reaches (the reference trainer's parameters, within 1e-4) or
 stops with a clear error, and none can wait forever."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pt_ray.api import fit
-from pt_ray.faults import FAULT_ENV, FaultSwitch
+from pt_ray.runtime.faults import FAULT_ENV, FaultSwitch
 from pt_ray.runtime.checkpoint import damage
 from test_ray_engine import max_difference, reference_params, tiny_config  # noqa: F401
 
@@ -119,7 +119,7 @@ def test_peer_that_stops_answering_inside_a_collective_fails_within_the_timeout_
 
 
 def _record(epoch: int, num_layers: int = 4):
-    from pt_ray.summary import EpochRecord
+    from pt_ray.reporting.summary import EpochRecord
 
     return EpochRecord(epoch=epoch, num_frozen=0, num_layers=num_layers, pipeline_length=1,
                        num_replicas=1, num_microbatches=1, throughput_samples_per_s=1.0,
@@ -138,7 +138,7 @@ def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_check
 
     import ray
 
-    from pt_ray.plan import CostTable
+    from pt_ray.core.plan import CostTable
     from pt_ray.runtime.checkpoint import write_meta
     from pt_ray.service.controller import ControllerActor, RayController, controller_name
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pt_ray.freeze import (
+from pt_ray.core.freeze import (
     FreezeDecision,
     FreezeGuard,
     PaperFreeze,

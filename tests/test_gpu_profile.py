@@ -2,10 +2,10 @@
 
 import pytest
 
-from pt_ray.config import build_config
-from pt_ray.control import build_control_state
-from pt_ray.hwprofile import profile_for_gpu
-from pt_ray.plan import CostTable, LayerCost
+from pt_ray.core.config import build_config
+from pt_ray.core.control import build_control_state
+from pt_ray.costs.hwprofile import profile_for_gpu
+from pt_ray.core.plan import CostTable, LayerCost
 
 pytestmark = pytest.mark.unit
 

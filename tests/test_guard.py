@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pt_ray.config import ConfigError, load_config
-from pt_ray.control import build_control_state
-from pt_ray.freeze import FreezeDecision
-from pt_ray.plan import CostTable
+from pt_ray.core.config import ConfigError, load_config
+from pt_ray.core.control import build_control_state
+from pt_ray.core.freeze import FreezeDecision
+from pt_ray.core.plan import CostTable
 from pt_ray.runtime import reference
 from pt_ray.runtime.reference import ReferenceTrainer
-from pt_ray.summary import EpochRecord
+from pt_ray.reporting.summary import EpochRecord
 from test_reference import vit_config
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from pt_ray.api import fit
-from pt_ray.config import ConfigError, ModelConfig
+from pt_ray.core.config import ConfigError, ModelConfig
 from pt_ray.models import HF_ENCODERS, build_adapter, forward_layers
 from pt_ray.models.hf_discovery import discover_spec
 from pt_ray.models.export import export_model, load_exported

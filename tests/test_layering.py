@@ -9,12 +9,20 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PKG = Path(__file__).resolve().parents[1] / "pt_ray"
-PURE = ["config.py", "freeze.py", "partition.py", "plan.py", "summary.py", "costmodel.py",
-        "costplan.py", "hwprofile.py", "pipesim.py", "shapes.py", "simulate.py", "plan_cli.py",
-        "control.py", "logs.py", "report.py", "report_cli.py", "progress.py", "steplog.py",
-        "tensorboard.py", "sweep.py", "sweep_report.py", "devices.py", "placement.py",
-        "export_cli.py"]
+# Folders by layer: a module's folder says what it may import.
+PURE = ["core", "costs", "reporting"]
 TORCH_ONLY = ["models", "data", "runtime"]
+SERVICE = ["service"]
+# Above the layers: the command line and api.py import torch and Ray only inside functions, so a
+# bad argument or config fails before either loads.
+ENTRY = ["cli"]
+ROOT_MODULES = {"__init__.py", "api.py"}
+
+
+def modules_in(folder: str) -> list[Path]:
+    files = sorted((PKG / folder).rglob("*.py"))
+    assert files, f"{folder} is empty"
+    return files
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -32,19 +40,45 @@ def offending(names: set[str], banned: tuple[str, ...]) -> set[str]:
     return {n for n in names if any(n == b or n.startswith(b + ".") for b in banned)}
 
 
-@pytest.mark.parametrize("name", PURE)
-def test_pure_core_has_no_torch_or_ray(name):
-    path = PKG / name
-    assert not offending(imported_modules(path), ("ray", "torch", "pt_ray.service",
-                                                  "pt_ray.runtime", "pt_ray.models"))
+def top_level_imports(path: Path) -> set[str]:
+    """Modules imported at import time: module-level statements, not those inside functions."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_package_root_holds_only_the_api_and_the_layer_folders():
+    modules = {p.name for p in PKG.glob("*.py")}
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert modules == ROOT_MODULES
+    assert folders == set(PURE + TORCH_ONLY + SERVICE + ENTRY)
+
+
+@pytest.mark.parametrize("folder", PURE)
+def test_pure_core_has_no_torch_or_ray(folder):
+    for path in modules_in(folder):
+        assert not offending(imported_modules(path), ("ray", "torch", "pt_ray.service",
+                                                      "pt_ray.runtime", "pt_ray.models",
+                                                      "pt_ray.data", "pt_ray.cli")), path
 
 
 @pytest.mark.parametrize("folder", TORCH_ONLY)
 def test_torch_runtime_has_no_ray(folder):
-    files = sorted((PKG / folder).rglob("*.py"))
-    assert files, f"{folder} is empty"
-    for path in files:
-        assert not offending(imported_modules(path), ("ray", "pt_ray.service")), path
+    for path in modules_in(folder):
+        assert not offending(imported_modules(path), ("ray", "pt_ray.service", "pt_ray.cli")), path
+
+
+@pytest.mark.parametrize("folder", ENTRY)
+def test_command_line_loads_torch_and_ray_only_when_a_command_needs_them(folder):
+    for path in modules_in(folder):
+        assert not offending(top_level_imports(path), ("ray", "torch", "pt_ray.service",
+                                                       "pt_ray.runtime", "pt_ray.models",
+                                                       "pt_ray.data")), path
 
 
 def test_checker_catches_a_violation(tmp_path):

@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from pt_ray.config import build_config
-from pt_ray.control import ControlState, build_control_state
-from pt_ray.costplan import CostModelPlanner
+from pt_ray.core.config import build_config
+from pt_ray.core.control import ControlState, build_control_state
+from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.data.registry import build_dataset
-from pt_ray.freeze import build_freeze_policy
-from pt_ray.hwprofile import load_hardware
+from pt_ray.core.freeze import build_freeze_policy
+from pt_ray.costs.hwprofile import load_hardware
 from pt_ray.models.base import iter_layers
-from pt_ray.plan import CostTable, LayerCost, Planner, is_trainable
-from pt_ray.report import format_table, memory_table
+from pt_ray.core.plan import CostTable, LayerCost, Planner, is_trainable
+from pt_ray.reporting.report import format_table, memory_table
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.memory import SavedActivations
 from pt_ray.runtime.reference import build_model_for
-from pt_ray.summary import EpochRecord, RankMemory
+from pt_ray.reporting.summary import EpochRecord, RankMemory
 
 F32 = 4
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dist_utils import run_ranks
-from pt_ray.plan import Plan
+from pt_ray.core.plan import Plan
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.migrate import migrate
 

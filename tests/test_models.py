@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pt_ray.config import ModelConfig
+from pt_ray.core.config import ModelConfig
 from pt_ray.models import (
     HFEncoderAdapter,
     ModelAdapter,

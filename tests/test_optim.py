@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pt_ray.config import OptimizerConfig
+from pt_ray.core.config import OptimizerConfig
 from pt_ray.runtime.optim import (
     build_optimizer,
     layer_param_groups,
@@ -177,7 +177,7 @@ def test_one_pass_gives_the_global_and_the_per_block_norms():
     # clip_grad_norm with a BlockIndex: the per-block norms come from the same per-parameter
     # norms as the global one, and equal what block_grad_norms computes block by block.
     from pt_ray.models import build_adapter
-    from pt_ray.config import ModelConfig
+    from pt_ray.core.config import ModelConfig
     from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
     from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
 

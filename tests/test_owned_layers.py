@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from pt_ray.control import build_control_state
+from pt_ray.core.control import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.models.base import iter_layers
-from pt_ray.plan import is_trainable
+from pt_ray.core.plan import is_trainable
 from pt_ray.runtime.checkpoint import load_layers, write_shard
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.owned import has_storage, is_held, materialise, release

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pt_ray.partition import partition
+from pt_ray.core.partition import partition
 
 pytestmark = pytest.mark.unit
 

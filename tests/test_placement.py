@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from pt_ray.config import ConfigError, build_config
-from pt_ray.placement import (
+from pt_ray.core.config import ConfigError, build_config
+from pt_ray.core.placement import (
     ClusterView,
     Demand,
     PlacementError,

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pt_ray.plan_cli import add_plan_parser, main
+from pt_ray.cli.plan import add_plan_parser, main
 
 pytestmark = pytest.mark.unit
 

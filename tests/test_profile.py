@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pt_ray.config import ModelConfig
+from pt_ray.core.config import ModelConfig
 from pt_ray.data import gather, synthetic_image
 from pt_ray.models import build_adapter
 from pt_ray.runtime.profile import profile_costs
@@ -76,7 +76,7 @@ def test_profile_leaves_gradients_and_modes_alone():
 
 
 def test_blocks_of_one_structure_share_their_median_times():
-    from pt_ray.plan import LayerCost
+    from pt_ray.core.plan import LayerCost
     from pt_ray.runtime.profile import _pool_alike
 
     adapter = _vit()

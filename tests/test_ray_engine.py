@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from pt_ray.api import fit
 from pt_ray.cli import main
-from pt_ray.config import build_config
+from pt_ray.core.config import build_config
 from pt_ray.data.base import gather
 from pt_ray.data.registry import build_dataset
-from pt_ray.faults import FAULT_ENV
+from pt_ray.runtime.faults import FAULT_ENV
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers, read_meta
 from pt_ray.runtime.reference import ReferenceTrainer

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pt_ray.config import RunConfig, build_config
+from pt_ray.core.config import RunConfig, build_config
 from pt_ray.data import DatasetSplits, GlobalSampler, TensorSampleDataset, synthetic_image
 from pt_ray.models import build_adapter, frozen_layer_names, layer_module
 from pt_ray.runtime.reference import ReferenceTrainer, evaluate

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pt_ray.progress import EpochProgress, RunProgress
-from pt_ray.report import (
+from pt_ray.reporting.progress import EpochProgress, RunProgress
+from pt_ray.reporting.report import (
     Transition,
     cache_epochs,
     format_comparison,
@@ -19,8 +19,8 @@ from pt_ray.report import (
     render_report,
     transitions,
 )
-from pt_ray.report_cli import add_report_parser, run_report
-from pt_ray.summary import EpochRecord, ideal_speedup
+from pt_ray.cli.report import add_report_parser, run_report
+from pt_ray.reporting.summary import EpochRecord, ideal_speedup
 
 pytestmark = pytest.mark.unit
 
@@ -217,7 +217,7 @@ def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_event_file_has_the_timeline_scalars(run_dir, tmp_path):
-    from pt_ray.tensorboard import scalar_tags, write_tensorboard
+    from pt_ray.reporting.tensorboard import scalar_tags, write_tensorboard
 
     logdir = write_tensorboard(run_dir, tmp_path / "tb")
     assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
@@ -335,7 +335,7 @@ def test_table_and_png_show_a_rollback(tmp_path):
 
 
 def test_cache_nodes_table_shows_each_node_and_is_empty_without_them():
-    from pt_ray.report import cache_nodes_table
+    from pt_ray.reporting.report import cache_nodes_table
 
     node = {"bytes": 3 * 2**20, "objects": 8, "local_reads": 16, "remote_reads": 0,
             "refused_rows": 2, "spilled_bytes": 0}

@@ -17,9 +17,9 @@ import torch
 
 from pt_ray.api import fit
 from pt_ray.cli import main
-from pt_ray.config import ConfigError, build_config
+from pt_ray.core.config import ConfigError, build_config
 from pt_ray.models.base import iter_layers, layer_names
-from pt_ray.resume import resume_point
+from pt_ray.runtime.resume import resume_point
 from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, pack_tensors, \
     read_meta, unpack_tensors, usable_checkpoint, write_meta, write_shard
 from pt_ray.runtime.reference import ReferenceTrainer

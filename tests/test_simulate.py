@@ -11,7 +11,7 @@ table) and runtime (prefix before the pipeline, asynchronous cache writes, 30 s 
 Training time only: no evaluation, no input-pipeline limit, unlimited host memory for the cache.
 Calibration: the device's efficiency and the 2021 per-micro-batch overhead from the published
 no-freeze micro-batch sweep; the 2021 cache's read rate from the all-frozen plateau of the
-paper's throughput figure (``pt_ray.costmodel.PT_2021``). Nothing is tuned per configuration.
+paper's throughput figure (``pt_ray.costs.costmodel.PT_2021``). Nothing is tuned per configuration.
 "Freeze only" under the 2021 runtime keeps the baseline's step (that figure's freeze-only curve
 never rises, even with every block frozen) and pays a pipe and DDP rebuild at each freeze.
 """
@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import pytest
 
-from pt_ray.costmodel import PT_2021, PT_RAY, analytic_costs, load_hardware, step_time
-from pt_ray.shapes import model_shape, saved_activation_factor
-from pt_ray.simulate import build_planner, chunks_2021, simulate
+from pt_ray.costs.costmodel import PT_2021, PT_RAY, analytic_costs, load_hardware, step_time
+from pt_ray.core.shapes import model_shape, saved_activation_factor
+from pt_ray.costs.simulate import build_planner, chunks_2021, simulate
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from pt_ray.config import build_config
-from pt_ray.steplog import STEP_TAGS, StepRecord, StepReporter, StepWindow, StepWriter
+from pt_ray.core.config import build_config
+from pt_ray.reporting.steplog import STEP_TAGS, StepRecord, StepReporter, StepWindow, StepWriter
 from test_report import read_scalars
 
 pytestmark = pytest.mark.unit
@@ -152,9 +152,9 @@ def test_live_scalars_are_on_disk_before_the_run_ends(tmp_path):
 
 
 def report_rank(rank, world, cfg):
-    from pt_ray.control import build_control_state
+    from pt_ray.core.control import build_control_state
     from pt_ray.data.registry import build_dataset
-    from pt_ray.plan import CostTable
+    from pt_ray.core.plan import CostTable
     from pt_ray.runtime.engine import ElasticWorker, LocalController
     from pt_ray.runtime.reference import build_model_for
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pt_ray.config import ConfigError
-from pt_ray.sweep import (
+from pt_ray.core.config import ConfigError
+from pt_ray.core.sweep import (
     ClusterTooSmallError,
     build_variants,
     fitting_cpus_per_worker,
@@ -16,7 +16,7 @@ from pt_ray.sweep import (
     trial_concurrency,
     trial_need,
 )
-from pt_ray.sweep_report import (
+from pt_ray.reporting.sweep_report import (
     TrialRow,
     analyse,
     format_sweep_table,
@@ -24,7 +24,7 @@ from pt_ray.sweep_report import (
     render_sweep_png,
     write_sweep_json,
 )
-from pt_ray.sweep_cli import add_sweep_parser
+from pt_ray.cli.sweep import add_sweep_parser
 
 unit = pytest.mark.unit
 

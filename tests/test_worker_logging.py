@@ -36,7 +36,7 @@ def test_ray_train_report_lines_are_silenced_by_their_file_named_logger(caplog):
 
 
 def step_config(tmp_path, **extra):
-    from pt_ray.config import build_config
+    from pt_ray.core.config import build_config
 
     return build_config({
         "name": "every-steps",
@@ -59,7 +59,7 @@ def step_config(tmp_path, **extra):
 def test_worker_step_reports_reach_ray_train_on_every_rank_and_tensorboard_from_rank_0(
         tmp_path, monkeypatch):
     from pt_ray.service.worker import _step_reporter
-    from pt_ray.steplog import StepRecord
+    from pt_ray.reporting.steplog import StepRecord
     from test_report import read_scalars
 
     cfg = step_config(tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pt_ray.config import ConfigError, DataConfig
+from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.data.base import DatasetSplits, SubsetDataset
 from pt_ray.data.synthetic import synthetic_image, synthetic_text
 from pt_ray.data.text import load_glue_tsv, load_squad_json

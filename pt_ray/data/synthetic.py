@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pt_ray.config import ConfigError
+from pt_ray.core.config import ConfigError
 from pt_ray.data.base import DatasetSplits, Task, TensorSampleDataset
 
 __all__ = ["PAD_ID", "CLS_ID", "SEP_ID", "TEXT_INPUTS", "synthetic_image", "synthetic_text"]

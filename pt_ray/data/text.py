@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pt_ray.config import ConfigError, first_line
+from pt_ray.core.config import ConfigError, first_line
 from pt_ray.data.base import DatasetSplits, TensorSampleDataset
 from pt_ray.data.synthetic import TEXT_INPUTS
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pt_ray.config import PICKLE_ERRORS, ConfigError, first_line
+from pt_ray.core.config import PICKLE_ERRORS, ConfigError, first_line
 from pt_ray.data.base import Batch, DatasetSplits, TensorSampleDataset
 from pt_ray.data.transforms import (
     CIFAR10_STATS,

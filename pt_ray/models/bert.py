@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 
-from pt_ray.config import ConfigError
+from pt_ray.core.config import ConfigError
 from pt_ray.models.base import State, Task, check_partition
 
 __all__ = [

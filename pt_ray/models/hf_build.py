@@ -12,7 +12,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from pt_ray.config import ConfigError, ModelConfig, first_line
+from pt_ray.core.config import ConfigError, ModelConfig, first_line
 from pt_ray.models.bert import HF_ENCODERS, HFConfigFields, HFEncoderAdapter, HFEncoderSpec
 from pt_ray.models.hf_discovery import check_cut, discover_spec, encoder_fields
 from pt_ray.models.registry import _merge, _unbuildable

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from pt_ray.config import ConfigError, first_line
+from pt_ray.core.config import ConfigError, first_line
 from pt_ray.models.base import State, Task, run_blocks
 from pt_ray.models.bert import (
     BERT_FIELDS,

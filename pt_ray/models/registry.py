@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pt_ray.config import ConfigError, ModelConfig, first_line
+from pt_ray.core.config import ConfigError, ModelConfig, first_line
 from pt_ray.models.base import ModelAdapter
 from pt_ray.models.vit import TimmViTAdapter, load_timm_weights
 

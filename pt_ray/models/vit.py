@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pt_ray.config import PICKLE_ERRORS, ConfigError, first_line
+from pt_ray.core.config import PICKLE_ERRORS, ConfigError, first_line
 from pt_ray.models.base import State, Task, check_partition
 
 __all__ = ["TimmViTAdapter", "load_timm_weights", "read_state_dict"]

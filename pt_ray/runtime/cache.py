@@ -27,8 +27,8 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
-from pt_ray.config import RunConfig
-from pt_ray.control import cache_policy
+from pt_ray.core.config import RunConfig
+from pt_ray.core.control import cache_policy
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler
 
 __all__ = [
@@ -372,7 +372,7 @@ class InMemoryStore:
 def training_sampler(cfg: RunConfig, num_samples: int, deterministic_transform: bool
                      ) -> GlobalSampler:
     """The run's global sampler: cache blocks kept whole when
-    :func:`pt_ray.control.cache_policy` orders by blocks (the reference trainer and every rank
+    :func:`pt_ray.core.control.cache_policy` orders by blocks (the reference trainer and every rank
     build the same one)."""
     blocks = None
     if cache_policy(cfg, deterministic_transform).order == "blocks":

@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
-from pt_ray.control import ControlState
-from pt_ray.plan import CostTable, LayerCost, Plan
+from pt_ray.core.control import ControlState
+from pt_ray.core.plan import CostTable, LayerCost, Plan
 from pt_ray.runtime.comm import Comm
-from pt_ray.summary import EpochRecord
+from pt_ray.reporting.summary import EpochRecord
 
 __all__ = ["Controller", "LocalController"]
 

@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from pt_ray.config import RunConfig
-from pt_ray.control import cache_policy
+from pt_ray.core.config import RunConfig
+from pt_ray.core.control import cache_policy
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
-from pt_ray.faults import FaultSwitch, kill_self
+from pt_ray.runtime.faults import FaultSwitch, kill_self
 from pt_ray.data.sampler import (
     CacheBlocks,
     accumulation_chunks,
@@ -62,7 +62,7 @@ from pt_ray.data.sampler import (
     split_for_replica,
 )
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
-from pt_ray.plan import CostTable, Plan, is_trainable
+from pt_ray.core.plan import CostTable, Plan, is_trainable
 from pt_ray.runtime.cache import ActivationStore, training_sampler
 from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
 from pt_ray.runtime.comm import Comm
@@ -84,8 +84,8 @@ from pt_ray.runtime.reference import GradNormMeter
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
 from pt_ray.runtime.sync import BlockIndex, all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology
-from pt_ray.steplog import StepRecord, StepWindow
-from pt_ray.summary import EpochRecord
+from pt_ray.reporting.steplog import StepRecord, StepWindow
+from pt_ray.reporting.summary import EpochRecord
 
 __all__ = ["Controller", "ElasticWorker", "LocalController"]
 
@@ -106,12 +106,12 @@ class ElasticWorker:
         on_step: called as ``on_step(epoch, step)`` before every training step (progress
             reporting, fault injection in tests).
         on_step_report: with ``logging.every_steps`` N > 0, called on every rank with the
-            :class:`~pt_ray.steplog.StepRecord` of every N-th step of the run; give it on every
+            :class:`~pt_ray.reporting.steplog.StepRecord` of every N-th step of the run; give it on every
             rank or on none (each report reduces the step's loss over WORLD).
         store: the activation cache's store (None: the frozen prefix is always recomputed,
             whatever the plans say).
         comm: the run's communication (default: built for ``device`` over WORLD).
-        fault: the fault this rank injects in tests (:mod:`pt_ray.faults`): the engine reaches
+        fault: the fault this rank injects in tests (:mod:`pt_ray.runtime.faults`): the engine reaches
             the ``migration`` and ``checkpoint`` points.
     """
 

@@ -3,7 +3,7 @@ activations autograd keeps for backward, and the peak.
 
 Torch runtime layer. :class:`MemoryMeter` measures; the engine gathers every rank's figures
 (:data:`FIELDS`, one row per rank) in the epoch's last reduction and builds the records'
-:class:`~pt_ray.summary.RankMemory` list with :func:`rank_memory`.
+:class:`~pt_ray.reporting.summary.RankMemory` list with :func:`rank_memory`.
 
 What the figures count:
 
@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from pt_ray.runtime.owned import has_storage, held_param_bytes
-from pt_ray.summary import RankMemory
+from pt_ray.reporting.summary import RankMemory
 
 __all__ = ["FIELDS", "MemoryMeter", "SavedActivations", "rank_memory", "tensor_bytes"]
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pt_ray.plan import Plan, is_trainable, transfers
+from pt_ray.core.plan import Plan, is_trainable, transfers
 from pt_ray.runtime.comm import Comm
 
 __all__ = ["LayerStates", "collect_layer_state", "migrate"]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pt_ray.config import OptimizerConfig
+from pt_ray.core.config import OptimizerConfig
 
 __all__ = [
     "build_optimizer",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pt_ray.devices import resolve_precision as resolve_name
+from pt_ray.core.devices import resolve_precision as resolve_name
 from pt_ray.models.base import State
 
 __all__ = ["LossScaler", "Precision", "resolve_precision"]

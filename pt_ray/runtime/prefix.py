@@ -27,7 +27,7 @@ import torch
 
 from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import ModelAdapter, State
-from pt_ray.plan import CostTable
+from pt_ray.core.plan import CostTable
 from pt_ray.runtime.cache import ActivationStore, Segment, from_numpy, to_numpy
 from pt_ray.runtime.precision import Precision
 

@@ -28,7 +28,7 @@ import torch
 
 from pt_ray.data.base import Batch
 from pt_ray.models.base import ModelAdapter, State
-from pt_ray.plan import CostTable, LayerCost
+from pt_ray.core.plan import CostTable, LayerCost
 from pt_ray.runtime.memory import SavedActivations
 from pt_ray.runtime.owned import to_device
 from pt_ray.runtime.precision import Precision

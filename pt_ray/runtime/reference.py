@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pt_ray.config import RunConfig
+from pt_ray.core.config import RunConfig
 from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import accumulation_chunks
-from pt_ray.control import policy_for, start_pipeline_length
-from pt_ray.freeze import FreezeGuard, FreezePolicy
+from pt_ray.core.control import policy_for, start_pipeline_length
+from pt_ray.core.freeze import FreezeGuard, FreezePolicy
 from pt_ray.models.base import (
     ModelAdapter,
     forward_layers,
@@ -55,8 +55,8 @@ from pt_ray.runtime.optim import (
     remove_layers,
     set_lr,
 )
-from pt_ray.steplog import StepRecord, StepWindow
-from pt_ray.summary import EpochRecord
+from pt_ray.reporting.steplog import StepRecord, StepWindow
+from pt_ray.reporting.summary import EpochRecord
 
 __all__ = ["GradNormMeter", "ReferenceTrainer", "build_model_for", "evaluate"]
 
@@ -186,7 +186,7 @@ class ReferenceTrainer:
         adapter: the model (default: built from ``cfg.model`` for ``splits``).
         policy: the freeze policy (default: from ``cfg.freeze``, L from the model).
         on_step_report: with ``logging.every_steps`` N > 0, called with the
-            :class:`~pt_ray.steplog.StepRecord` of every N-th step of the run.
+            :class:`~pt_ray.reporting.steplog.StepRecord` of every N-th step of the run.
     """
 
     def __init__(

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pt_ray.models.base import ModelAdapter, State, run_blocks
-from pt_ray.plan import Plan
+from pt_ray.core.plan import Plan
 from pt_ray.runtime.precision import Precision
 
 __all__ = ["Shapes", "StageModule", "build_schedule", "probe_shapes"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from pt_ray.plan import Plan
+from pt_ray.core.plan import Plan
 
 __all__ = ["Topology"]
 

@@ -56,7 +56,7 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pt_ray.logs import setup_logging
+from pt_ray.reporting.logs import setup_logging
 from pt_ray.runtime.cache import (
     BlockIndex,
     CacheStats,

@@ -1,5 +1,5 @@
 """Room for a run's workers on a cluster pt-ray attaches to: read the cluster, fail at once when
-it can never hold them, else wait for them (:mod:`pt_ray.placement` decides)."""
+it can never hold them, else wait for them (:mod:`pt_ray.core.placement` decides)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ray.train import ControllerError
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from pt_ray.placement import (
+from pt_ray.core.placement import (
     ClusterView,
     Demand,
     PlacementError,
@@ -36,7 +36,7 @@ REPORT_EVERY_S = 30.0
 
 def read_cluster() -> ClusterView:
     """The connected cluster's nodes (total and free resources) and whether an autoscaler may
-    add nodes (:func:`pt_ray.placement.has_autoscaler` over what this reads)."""
+    add nodes (:func:`pt_ray.core.placement.has_autoscaler` over what this reads)."""
     total = ray_state.total_resources_per_node()
     free = ray_state.available_resources_per_node()
     ids = sorted(total)
@@ -101,7 +101,7 @@ def wait_for_room(demand: Demand, timeout_s: float, *, report_every_s: float = R
     4. Release the placement group: Ray Train places its own workers next.
 
     Args:
-        demand: the workers to place (:func:`pt_ray.placement.demand_for`).
+        demand: the workers to place (:func:`pt_ray.core.placement.demand_for`).
         timeout_s: ``pipeline.placement_timeout_s``; ignored with an autoscaler.
         report_every_s: seconds between waiting lines.
         clock: monotonic seconds.

@@ -26,15 +26,15 @@ from ray.train import (
 from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from pt_ray.config import RunConfig
-from pt_ray.control import cache_policy
-from pt_ray.devices import DeviceChoice, choose_devices
-from pt_ray.placement import demand_for
+from pt_ray.core.config import RunConfig
+from pt_ray.core.control import cache_policy
+from pt_ray.core.devices import DeviceChoice, choose_devices
+from pt_ray.core.placement import demand_for
 from pt_ray.service.cache import cache_name, create_owners, object_store_report, owners_report
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.worker import train_loop_per_worker
-from pt_ray.summary import EpochRecord
+from pt_ray.reporting.summary import EpochRecord
 
 __all__ = ["RayRun", "cluster_devices", "ensure_ray", "run_on_ray"]
 
@@ -196,7 +196,7 @@ def run_on_ray(
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs; raised
             before an embedded cluster starts, or right after attaching to one.
-        pt_ray.placement.PlacementError: a cluster pt-ray attached to can never hold the
+        pt_ray.core.placement.PlacementError: a cluster pt-ray attached to can never hold the
             workers (no autoscaler), or had no room for them within
             ``pipeline.placement_timeout_s``, raised before any actor or worker starts; or Ray
             Train gave up placing them (each try bounded by the same timeout).

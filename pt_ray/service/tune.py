@@ -1,11 +1,11 @@
 """Alpha sweeps on Ray Tune: one trial per alpha (times an optional grid), each a whole pt-ray
 run, plus a no-freeze baseline on the same data and seed; then speedups, Pareto front, table,
-``sweep.json`` and ``sweep.png`` (:mod:`pt_ray.sweep`).
+``sweep.json`` and ``sweep.png`` (:mod:`pt_ray.core.sweep`).
 
 Each trial is a Tune function trial holding a sliver of a CPU; it calls :func:`pt_ray.api.fit`,
 which starts pt-ray's controller actor and a Ray Train ``TorchTrainer`` on the same cluster.
 A trial thus holds its sliver while its Train run waits for workers, so no more trials start
-than the cluster's free resources can run whole (:func:`pt_ray.sweep.trial_concurrency`).
+than the cluster's free resources can run whole (:func:`pt_ray.core.sweep.trial_concurrency`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Any
 import ray
 from ray import tune
 
-from pt_ray.config import ConfigError, RunConfig
-from pt_ray.devices import choose_devices
-from pt_ray.logs import setup_logging
+from pt_ray.core.config import ConfigError, RunConfig
+from pt_ray.core.devices import choose_devices
+from pt_ray.reporting.logs import setup_logging
 from pt_ray.service.trainer import ensure_ray
-from pt_ray.summary import ideal_speedup
-from pt_ray.sweep import (
+from pt_ray.reporting.summary import ideal_speedup
+from pt_ray.core.sweep import (
     ClusterTooSmallError,
     Variant,
     build_variants,
@@ -37,7 +37,7 @@ from pt_ray.sweep import (
     trial_concurrency,
     trial_need,
 )
-from pt_ray.sweep_report import (
+from pt_ray.reporting.sweep_report import (
     TrialRow,
     analyse,
     format_sweep_table,
@@ -119,7 +119,7 @@ def sweep(
     Raises:
         ConfigError: a bad alpha, grid or config value, or a sweep folder that already holds
             a sweep without ``resume`` (before anything starts).
-        pt_ray.sweep.ClusterTooSmallError: not even one trial fits the cluster.
+        pt_ray.core.sweep.ClusterTooSmallError: not even one trial fits the cluster.
     """
     alphas, overrides = check_alphas(alphas), list(overrides)
     if max_concurrent is not None and max_concurrent < 1:
@@ -207,13 +207,13 @@ def _align_sample_order(variants: list[Variant], configs: dict[str, dict[str, An
     """Give each baseline the sample order of the alpha trials it is compared with.
 
     With ``cache.order=auto`` the order follows whether the activation cache will turn on
-    (:func:`pt_ray.control.cache_policy`), which ``freeze.policy=none`` rules out: left alone,
+    (:func:`pt_ray.core.control.cache_policy`), which ``freeze.policy=none`` rules out: left alone,
     the baseline would see other batches than the freezing runs from the first step. Pinning
     ``cache.order`` changes no speed (the baseline's cache stays off) and makes the warm-up
     epochs of every trial identical.
     """
-    from pt_ray.config import build_config
-    from pt_ray.control import cache_policy
+    from pt_ray.core.config import build_config
+    from pt_ray.core.control import cache_policy
     from pt_ray.data.registry import build_dataset
 
     deterministic: dict[str, bool] = {}
@@ -241,7 +241,7 @@ def _align_sample_order(variants: list[Variant], configs: dict[str, dict[str, An
 
 
 def _with(config: Mapping[str, Any], override: str) -> dict[str, Any]:
-    from pt_ray.config import apply_overrides
+    from pt_ray.core.config import apply_overrides
 
     return apply_overrides(config, [override])
 
@@ -276,7 +276,7 @@ def _preflight(configs: Iterable[Mapping[str, Any]]) -> None:
     """Build each distinct dataset and model once here, so a bad path or layout fails before
     any trial starts (freeze fields and names do not change them)."""
     from pt_ray.api import preflight
-    from pt_ray.config import build_config
+    from pt_ray.core.config import build_config
 
     seen: set[str] = set()
     for c in configs:
@@ -411,7 +411,7 @@ def _figures(summary: Mapping[str, Any], path: Path) -> dict[str, Any]:
         "metric_name": summary["metric_name"],
         "wall_time_s": summary["wall_time_s"],
         "train_time_s": sum(r["epoch_time_s"] + r["transition_time_s"] for r in tl),
-        # The cache's bound when it served (as pt_ray.report does), else the plain one.
+        # The cache's bound when it served (as pt_ray.reporting.report does), else the plain one.
         "ideal_speedup": ideal_speedup(tl, cached=any(r.get("cache_hit_rate", 0.0) > 0
                                                        for r in tl)),
         "num_frozen": last["num_frozen"],

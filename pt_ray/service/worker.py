@@ -23,25 +23,25 @@ import ray.train
 import ray.train.torch
 import torch
 
-from pt_ray.logs import setup_logging
-from pt_ray.config import RunConfig
+from pt_ray.reporting.logs import setup_logging
+from pt_ray.core.config import RunConfig
 from pt_ray.data.registry import build_dataset
-from pt_ray.faults import FaultSwitch
-from pt_ray.hwprofile import HardwareProfile, profile_for_gpu
+from pt_ray.runtime.faults import FaultSwitch
+from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
 from pt_ray.runtime.engine import ElasticWorker
 from pt_ray.runtime.reference import build_model_for
 from pt_ray.service.cache import RayStore
 from pt_ray.service.controller import RayController
-from pt_ray.progress import RunProgress
-from pt_ray.steplog import StepReporter, StepWriter
-from pt_ray.summary import format_epoch
+from pt_ray.reporting.progress import RunProgress
+from pt_ray.reporting.steplog import StepReporter, StepWriter
+from pt_ray.reporting.summary import format_epoch
 
 __all__ = ["quiet_ray_train", "train_loop_per_worker"]
 
 logger = logging.getLogger("pt_ray.worker")
 
-# A fault injected in a test (pt_ray.faults) first waits this long, so that Ray Train's
+# A fault injected in a test (pt_ray.runtime.faults) first waits this long, so that Ray Train's
 # controller, which collects reports when it polls the workers, has registered the previous
 # epoch's checkpoint.
 _FAULT_DELAY_S = 4.0

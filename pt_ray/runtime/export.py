@@ -14,11 +14,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pt_ray.config import RunConfig
+from pt_ray.core.config import RunConfig
 from pt_ray.data.base import DatasetSplits
 from pt_ray.models.base import ModelAdapter
 from pt_ray.models.export import README, export_model, folder_line
-from pt_ray.summary import read_summary
+from pt_ray.reporting.summary import read_summary
 
 __all__ = ["MODEL_DIR", "export_adapter", "export_checkpoint", "export_run", "find_checkpoint"]
 

@@ -1,15 +1,15 @@
 """Cost model: analytic layer costs, and the predicted time of a step or a transition under a
-Plan on a cluster (:mod:`pt_ray.hwprofile`, re-exported here).
+Plan on a cluster (:mod:`pt_ray.costs.hwprofile`, re-exported here).
 
 Pure module (stdlib). A step of one replica is simulated event by event
-(:mod:`pt_ray.pipesim`), so the bubble, stage imbalance and transfer delays all emerge from the
+(:mod:`pt_ray.costs.pipesim`), so the bubble, stage imbalance and transfer delays all emerge from the
 schedule; then each stage's data-parallel group all-reduces its gradients and steps its
 optimizer:
 
 1. stage ``k`` per micro-batch: forward (and backward, if it trains anything) of its blocks, the
    embedding on stage 0 while it trains, the head and loss on the last stage, plus the
    profile's fixed per-micro-batch overhead for each; with activation checkpointing each
-   block's backward also runs its forward again (:meth:`pt_ray.plan.CostTable.with_recompute`);
+   block's backward also runs its forward again (:meth:`pt_ray.core.plan.CostTable.with_recompute`);
 2. the frozen prefix (embedding + blocks ``0..n-1``, forward only) runs on stage 0: per
    micro-batch inside the schedule (pt-ray's runtime) or over the whole batch before the
    pipeline starts (the 2021 code's ``pipe(frozen(x))``); with the cache it is a read of the
@@ -29,16 +29,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pt_ray.hwprofile import (
+from pt_ray.costs.hwprofile import (
     HardwareProfile,
     calibrate,
     fit_efficiency,
     list_hardware,
     load_hardware,
 )
-from pt_ray.pipesim import run_schedule
-from pt_ray.plan import CostTable, LayerCost, Plan, holders, is_trainable
-from pt_ray.shapes import ModelShape, layer_shapes
+from pt_ray.costs.pipesim import run_schedule
+from pt_ray.core.plan import CostTable, LayerCost, Plan, holders, is_trainable
+from pt_ray.core.shapes import ModelShape, layer_shapes
 
 __all__ = [
     "HardwareProfile",

@@ -1,7 +1,7 @@
 """Hardware profiles: what the cost model knows about a cluster, the shipped YAML profiles, and
 calibration of a profile's efficiency against measurements.
 
-Pure module (stdlib, yaml). Profiles live in ``pt_ray/hardware/*.yaml``; each documents where its
+Pure module (stdlib, yaml). Profiles live in ``pt_ray/costs/hardware/*.yaml``; each documents where its
 numbers come from (spec sheets, or a fit to measurements).
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from pt_ray.plan import CostTable
-from pt_ray.shapes import ModelShape, layer_shapes
+from pt_ray.core.plan import CostTable
+from pt_ray.core.shapes import ModelShape, layer_shapes
 
 __all__ = ["HardwareProfile", "calibrate", "fit_efficiency", "list_hardware", "load_hardware",
            "profile_for_gpu"]
@@ -99,7 +99,7 @@ class HardwareProfile:
 
 
 def list_hardware() -> list[str]:
-    """Names of the profiles shipped in ``pt_ray/hardware/``."""
+    """Names of the profiles shipped in ``pt_ray/costs/hardware/``."""
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pt_ray.partition import Partition, partition
+from pt_ray.core.partition import Partition, partition
 
 __all__ = [
     "CostTable",

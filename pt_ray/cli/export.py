@@ -2,7 +2,7 @@
 
 timm models become a safetensors state dict plus their ``timm.create_model`` arguments; Hugging
 Face models a ``save_pretrained`` folder. Either loads without pt-ray (see the README.txt written
-beside it). The work is :func:`pt_ray.export.export_run`'s; this module imports no torch until
+beside it). The work is :func:`pt_ray.runtime.export.export_run`'s; this module imports no torch until
 the command runs.
 """
 
@@ -36,10 +36,10 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_export(args: argparse.Namespace) -> int:
     """Run ``pt-ray export``: 0 on success, 2 on a run that cannot be exported."""
-    from pt_ray.logs import setup_logging
+    from pt_ray.reporting.logs import setup_logging
 
     setup_logging()
-    from pt_ray.export import export_run
+    from pt_ray.runtime.export import export_run
 
     try:
         out = export_run(args.run_dir, args.out)

@@ -9,7 +9,7 @@ no-freeze baseline (K0, R0 = N / K0, nothing frozen):
 * ``freeze_only``: layers freeze, K0 and R0 stay. Under pt-ray's runtime the frozen prefix moves
   onto stage 0 and the active blocks re-balance over the K0 stages (``pipeline.elastic=false``;
   at most L - K0 blocks freeze); under the 2021 runtime the step stays the baseline's and each
-  freeze costs a transition (see :data:`pt_ray.costmodel.PT_2021` for the evidence);
+  freeze costs a transition (see :data:`pt_ray.costs.costmodel.PT_2021` for the evidence);
 * ``freeze_autopipe_autocache``: K shrinks, no replicas are added (freed devices idle), cache on;
 * ``freeze_autopipe_autodp``: K shrinks and R = N / K grows; no cache;
 * ``all``: AutoFreeze, AutoPipe, AutoDP and AutoCache together (the run itself).
@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from pt_ray.costmodel import PT_RAY, HardwareProfile, Runtime, step_time, transition_time
-from pt_ray.costplan import CostModelPlanner
-from pt_ray.freeze import build_freeze_policy, frozen_timeline
-from pt_ray.plan import CostTable, Plan, Planner
+from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, step_time, transition_time
+from pt_ray.costs.costplan import CostModelPlanner
+from pt_ray.core.freeze import build_freeze_policy, frozen_timeline
+from pt_ray.core.plan import CostTable, Plan, Planner
 
 __all__ = [
     "SCENARIOS",
@@ -147,7 +147,7 @@ def chunks_2021(k: int) -> int:
 
 
 class _RulePlanner:
-    """:class:`pt_ray.plan.Planner` with the paper's cache rule (on from ``cache_from`` frozen
+    """:class:`pt_ray.core.plan.Planner` with the paper's cache rule (on from ``cache_from`` frozen
     blocks) and, for the 2021 code, its micro-batch table."""
 
     def __init__(self, inner: Planner, cache_from: int | None, table: bool) -> None:
@@ -180,7 +180,7 @@ def build_planner(
     **common: Any,
 ):
     """The planner ``simulate`` uses: ``cost`` (:class:`CostModelPlanner`), ``paper``
-    (:class:`pt_ray.plan.Planner` on these costs) or ``2021`` (the 2021 code's rule: parameter
+    (:class:`pt_ray.core.plan.Planner` on these costs) or ``2021`` (the 2021 code's rule: parameter
     counts, frozen layers weighing nothing, its M table); the rule planners turn the cache on
     from ``cache_from`` frozen blocks (1 with ``cache="on"``); ``elastic=False`` pins K and R.
     ``common``: batch_size,
@@ -240,7 +240,7 @@ def simulate(
         dataset_size: training samples per epoch.
         epochs: epochs to predict.
         batch_size: global batch (``fixed_global``) or per replica (``per_replica``).
-        batch_policy: see :class:`pt_ray.config.RunConfig`.
+        batch_policy: see :class:`pt_ray.core.config.RunConfig`.
         initial_pipeline_length: K0 (None: N for the rule planners, predicted for ``cost``).
         schedule: ``gpipe`` or ``1f1b``.
         freeze_policy: ``schedule`` (``n(e) = ceil(L (1 - (1 - alpha)^e))``) or ``paper``
@@ -249,16 +249,16 @@ def simulate(
         grad_norms: gradient-norm trace for ``paper``.
         frozen: an explicit timeline (n per epoch), overriding the policy.
         max_frozen: most blocks ever frozen (None: L - 1; the 2021 code froze all L).
-        planner: ``cost`` (:class:`CostModelPlanner`), ``paper`` (:class:`pt_ray.plan.Planner`
+        planner: ``cost`` (:class:`CostModelPlanner`), ``paper`` (:class:`pt_ray.core.plan.Planner`
             on these costs, cache from ``cache_from`` blocks) or ``2021`` (the 2021 code's rule:
             parameter counts, frozen layers weighing nothing, M from its table).
         num_microbatches: force M (None: per planner).
         cache: ``auto``, ``on`` or ``off``.
         cache_from: the rule planners turn the cache on from this many frozen blocks.
-        runtime: :data:`pt_ray.costmodel.PT_RAY` or :data:`pt_ray.costmodel.PT_2021`.
+        runtime: :data:`pt_ray.costs.costmodel.PT_RAY` or :data:`pt_ray.costs.costmodel.PT_2021`.
         memory_budget: most bytes per stage (None: per planner).
         activation_memory_factor: see :class:`CostModelPlanner`.
-        optimizer_traffic: see :func:`pt_ray.costmodel.step_time`.
+        optimizer_traffic: see :func:`pt_ray.costs.costmodel.step_time`.
         ablations: also predict the three partial configurations.
         activation_checkpointing: every plan recomputes its trainable blocks' forward in their
             backward (``pipeline.activation_checkpointing``): slower steps, less memory.

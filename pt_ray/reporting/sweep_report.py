@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pt_ray.sweep import Variant
+from pt_ray.core.sweep import Variant
 
 __all__ = [
     "DEFINITIONS",
@@ -53,7 +53,7 @@ class TrialRow:
         final_metric: the eval metric after the last epoch.
         wall_time_s: the run's wall time.
         train_time_s: sum of epoch_time_s + transition_time_s.
-        ideal_speedup: the bound of :func:`pt_ray.summary.ideal_speedup` for the timeline.
+        ideal_speedup: the bound of :func:`pt_ray.reporting.summary.ideal_speedup` for the timeline.
         num_frozen, num_layers, pipeline_length, num_replicas: the layout in the last epoch.
         summary_path: the run's ``summary.json``.
         error: why the run failed.

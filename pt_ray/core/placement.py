@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pt_ray.config import ConfigError, PipelineConfig
+from pt_ray.core.config import ConfigError, PipelineConfig
 
 __all__ = [
     "ClusterView",

@@ -1,6 +1,6 @@
 """AutoPipe by prediction: the planner that picks K, M and the cache by simulated throughput.
 
-Pure module. Same interface as :class:`pt_ray.plan.Planner` (which keeps the paper's rule, for
+Pure module. Same interface as :class:`pt_ray.core.plan.Planner` (which keeps the paper's rule, for
 ``pipeline.policy=paper``). For a frozen-prefix length n it
 
 1. lists the candidate pipeline lengths K: divisors of N, no larger than the current K (K only
@@ -10,7 +10,7 @@ Pure module. Same interface as :class:`pt_ray.plan.Planner` (which keeps the pap
    stage the head);
 3. for each K, the cache off and (when allowed and n > 0) on, and each micro-batch count M (a
    divisor of the replica batch, at most ``max_microbatches_per_stage * K``), predicts the step
-   with :func:`pt_ray.costmodel.step_time` (cache in steady state: reads hit at level n) and
+   with :func:`pt_ray.costs.costmodel.step_time` (cache in steady state: reads hit at level n) and
    keeps the layouts whose every stage fits the memory budget;
 4. returns the layout with the highest predicted throughput ``R * batch / step``.
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
-from pt_ray.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, step_time
-from pt_ray.partition import Partition, partition
-from pt_ray.plan import CostTable, Plan, divisors, pinned_length, too_few_microbatches
+from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, step_time
+from pt_ray.core.partition import Partition, partition
+from pt_ray.core.plan import CostTable, Plan, divisors, pinned_length, too_few_microbatches
 
 __all__ = ["CostModelPlanner", "cache_break_even"]
 
@@ -37,7 +37,7 @@ class CostModelPlanner:
 
     Args:
         num_workers: N, devices in use.
-        costs: per-layer costs in seconds (profiled, or :func:`pt_ray.costmodel.analytic_costs`).
+        costs: per-layer costs in seconds (profiled, or :func:`pt_ray.costs.costmodel.analytic_costs`).
         hw: the cluster's profile (links, overheads, memory, cache bandwidth).
         batch_size: ``data.batch_size``.
         batch_policy: ``fixed_global`` (each replica takes B / R) or ``per_replica`` (each B).
@@ -55,9 +55,9 @@ class CostModelPlanner:
             gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
         activation_memory_factor: bytes a block keeps for backward per byte of its output,
             for layers whose ``saved_bytes`` were not measured (analytic tables;
-            :func:`pt_ray.shapes.saved_activation_factor`; about 25 for ViT-B/16).
+            :func:`pt_ray.core.shapes.saved_activation_factor`; about 25 for ViT-B/16).
         max_microbatches_per_stage: the M search stops at this many micro-batches per stage.
-        optimizer_traffic: see :func:`pt_ray.costmodel.step_time`.
+        optimizer_traffic: see :func:`pt_ray.costs.costmodel.step_time`.
         accumulate: whether the runtime accumulates gradients over M micro-batches at K = 1,
             M chosen by the planner (the engine does not: at K = 1 it runs each pass's replica
             batch at once, M = 1). Not ``accumulation_steps``, which the user fixes.
@@ -66,10 +66,10 @@ class CostModelPlanner:
             pass, and a step is predicted as A passes, then one all-reduce and one optimizer
             step.
         elastic: False pins K (and R) at the initial plan's as blocks freeze; M and the cache
-            are still chosen by prediction (see :class:`pt_ray.plan.Planner`).
+            are still chosen by prediction (see :class:`pt_ray.core.plan.Planner`).
         activation_checkpointing: plans recompute every trainable block's forward in its
             backward: the partition and the predicted step weigh that forward
-            (:meth:`pt_ray.plan.CostTable.with_recompute`), and :meth:`stage_memory` counts
+            (:meth:`pt_ray.core.plan.CostTable.with_recompute`), and :meth:`stage_memory` counts
             what a checkpointed block keeps.
     """
 

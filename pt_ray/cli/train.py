@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pt_ray.export_cli import add_export_parser
-from pt_ray.logs import setup_logging
-from pt_ray.plan_cli import add_plan_parser
-from pt_ray.report_cli import add_report_parser
-from pt_ray.sweep_cli import add_sweep_parser
-from pt_ray.config import ConfigError
+from pt_ray.cli.export import add_export_parser
+from pt_ray.reporting.logs import setup_logging
+from pt_ray.cli.plan import add_plan_parser
+from pt_ray.cli.report import add_report_parser
+from pt_ray.cli.sweep import add_sweep_parser
+from pt_ray.core.config import ConfigError
 
 __all__ = ["main"]
 
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     # fit raises ConfigError too, before anything starts: an output folder that cannot be made,
     # dataset or weights files that cannot be read, a model that cannot be built, a device
     # choice the cluster cannot meet (pipeline.use_gpu=true without the GPUs), workers a cluster
-    # it attached to cannot place (pt_ray.placement.PlacementError); and, with --resume, a
-    # folder holding no run that can go on (pt_ray.resume.resume_point).
+    # it attached to cannot place (pt_ray.core.placement.PlacementError); and, with --resume, a
+    # folder holding no run that can go on (pt_ray.runtime.resume.resume_point).
     try:
         if args.resume is not None:
             if args.config is not None or args.output is not None:

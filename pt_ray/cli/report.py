@@ -1,6 +1,6 @@
 """``pt-ray report RUN_DIR``: a finished run's timeline as a PNG and a per-epoch table.
 
-No torch, no Ray: reads the run's ``summary.json`` (see :mod:`pt_ray.summary`), so it works on a
+No torch, no Ray: reads the run's ``summary.json`` (see :mod:`pt_ray.reporting.summary`), so it works on a
 run folder copied off a cluster.
 """
 
@@ -42,7 +42,7 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_report(args: argparse.Namespace) -> int:
     """Run ``pt-ray report``: print the table, write the PNG; 0 on success, 2 on a bad path."""
-    from pt_ray.report import format_table, load_summary, render_report
+    from pt_ray.reporting.report import format_table, load_summary, render_report
 
     try:
         summary = load_summary(args.run_dir)
@@ -58,7 +58,7 @@ def run_report(args: argparse.Namespace) -> int:
     png = render_report(summary, out, baseline)
     print(f"report: {png}")
     if getattr(args, "tensorboard", None) is not None:
-        from pt_ray.tensorboard import write_tensorboard
+        from pt_ray.reporting.tensorboard import write_tensorboard
 
         print(f"tensorboard: {write_tensorboard(summary, args.tensorboard)}")
     return 0

@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from pt_ray.report import load_summary, train_time_s
-from pt_ray.summary import ideal_speedup
+from pt_ray.reporting.report import load_summary, train_time_s
+from pt_ray.reporting.summary import ideal_speedup
 
 __all__ = ["SCALAR_TAGS", "scalar_tags", "write_tensorboard"]
 
@@ -67,7 +67,7 @@ def write_tensorboard(summary: Mapping[str, Any] | str | Path, logdir: str | Pat
         ``logdir``.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`pt_ray.report.load_summary`.
+        FileNotFoundError, ValueError: see :func:`pt_ray.reporting.report.load_summary`.
     """
     from tensorboardX import SummaryWriter
 

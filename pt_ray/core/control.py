@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass, replace
 from statistics import median
 from typing import Any, Literal
 
-from pt_ray.config import RunConfig
-from pt_ray.costplan import CostModelPlanner, cache_break_even
-from pt_ray.freeze import FreezeGuard, FreezePolicy, build_freeze_policy
-from pt_ray.hwprofile import HardwareProfile, load_hardware
-from pt_ray.plan import CostTable, LayerCost, Plan, Planner
-from pt_ray.summary import EpochRecord
+from pt_ray.core.config import RunConfig
+from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
+from pt_ray.core.freeze import FreezeGuard, FreezePolicy, build_freeze_policy
+from pt_ray.costs.hwprofile import HardwareProfile, load_hardware
+from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
     "CachePolicy",

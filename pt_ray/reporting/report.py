@@ -1,6 +1,6 @@
 """Run reports: a PNG timeline in the spirit of the paper's figures and a per-epoch table.
 
-Reads the ``summary.json`` contract of :mod:`pt_ray.summary` (or the dict it holds). No torch,
+Reads the ``summary.json`` contract of :mod:`pt_ray.reporting.summary` (or the dict it holds). No torch,
 no Ray: matplotlib with the Agg backend only, so reports render on a laptop, in CI, or in a
 notebook from a run folder copied off a cluster.
 
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from pt_ray.summary import ideal_speedup
+from pt_ray.reporting.summary import ideal_speedup
 
 __all__ = [
     "Transition",
@@ -161,7 +161,7 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
     transition time (s), cache hit rate ("-" while the cache is off; it may hold rows and
     serve none in the epoch it fills), training loss, the eval metric, and the layout change
     entering the epoch. The footer gives the training time (sum of epochs), the wall time
-    (start-up included) and the ideal bound of :func:`pt_ray.summary.ideal_speedup`; with a
+    (start-up included) and the ideal bound of :func:`pt_ray.reporting.summary.ideal_speedup`; with a
     ``baseline`` run (e.g. ``freeze.policy=none`` on the same data), also the measured speedup
     of training time and its fraction of the bound.
 
@@ -250,7 +250,7 @@ def memory_table(summary: SummaryLike) -> str:
     optimizer state, the activations saved for backward (peak of the epoch's sampled step),
     the peak (the CUDA allocator's, or the tracked sum on the CPU), the estimate, and its error
     against the measured peak (``estimate / peak - 1``). See
-    :class:`pt_ray.summary.RankMemory`.
+    :class:`pt_ray.reporting.summary.RankMemory`.
     """
     s = load_summary(summary)
     tl = [r for r in s["timeline"] if r.get("memory")]

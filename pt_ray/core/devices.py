@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pt_ray.config import ConfigError, RunConfig
+from pt_ray.core.config import ConfigError, RunConfig
 
 __all__ = ["CPU_BACKEND", "GPU_BACKEND", "DeviceChoice", "choose_devices", "resolve_precision"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pt_ray.config import ConfigError
+from pt_ray.core.config import ConfigError
 
 __all__ = ["add_sweep_parser", "run_sweep"]
 
@@ -48,8 +48,8 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
 def run_sweep(args: argparse.Namespace) -> int:
     """Run ``pt-ray sweep``: 0 when every trial finished, 1 when some did not, 2 on bad input
     (nothing started)."""
-    from pt_ray.logs import setup_logging
-    from pt_ray.sweep import parse_alphas, parse_grid
+    from pt_ray.reporting.logs import setup_logging
+    from pt_ray.core.sweep import parse_alphas, parse_grid
 
     try:
         alphas = parse_alphas(args.alpha)

@@ -205,7 +205,7 @@ class PipelineConfig(_Section):
     hardware: str = "auto"
     """Hardware profile for the cost model's links, overheads and memory (a name from
     ``pt-ray plan --list`` or a YAML path); ``auto``: ``local-cpu`` on CPU workers, and on GPUs
-    a profile of the detected device (``pt_ray.hwprofile.profile_for_gpu``)."""
+    a profile of the detected device (``pt_ray.costs.hwprofile.profile_for_gpu``)."""
     min_workers: int | None = Field(default=None, gt=0)
     """Elastic training: start (or restart after a failure) with as few as this many workers
     when the cluster has no room for ``num_workers``; the planner re-plans for the N it gets.
@@ -381,7 +381,7 @@ class LoggingConfig(_Section):
     rate, the epoch, the step and the frozen blocks; with ``tensorboard``, as live TensorBoard
     scalars, and on the Ray engine through ``ray.train.report`` on every rank (skipped where
     Ray Train could not collect it without making training wait: see
-    :class:`pt_ray.steplog.StepReporter`). Costs one host read of the loss and one all-reduce
+    :class:`pt_ray.reporting.steplog.StepReporter`). Costs one host read of the loss and one all-reduce
     of two numbers per report; 0: off."""
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     """Per-epoch progress on rank 0: ``bar`` redraws in place, ``lines`` writes a line per

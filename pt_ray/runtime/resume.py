@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pt_ray.config import ConfigError, RunConfig, load_config
+from pt_ray.core.config import ConfigError, RunConfig, load_config
 
 __all__ = ["CHANGEABLE_ON_RESUME", "ResumePoint", "resume_point"]
 

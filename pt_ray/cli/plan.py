@@ -1,7 +1,7 @@
 """``pt-ray plan``: predict a run on a cluster, epoch by epoch, before paying for it.
 
 Pure module (argparse and the cost model; no torch, no ray). Builds analytic costs for a known
-model shape on a hardware profile, runs :func:`pt_ray.simulate.simulate`, and prints a per-epoch
+model shape on a hardware profile, runs :func:`pt_ray.costs.simulate.simulate`, and prints a per-epoch
 table, the predicted total against the no-freeze baseline, and the paper's ablations.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pt_ray.costmodel import RUNTIMES, analytic_costs, list_hardware, load_hardware
-from pt_ray.plan import divisors
-from pt_ray.shapes import MODEL_SHAPES, model_shape, saved_activation_factor
-from pt_ray.simulate import SimulationResult, simulate
+from pt_ray.costs.costmodel import RUNTIMES, analytic_costs, list_hardware, load_hardware
+from pt_ray.core.plan import divisors
+from pt_ray.core.shapes import MODEL_SHAPES, model_shape, saved_activation_factor
+from pt_ray.costs.simulate import SimulationResult, simulate
 
 __all__ = ["add_plan_parser", "main", "run_plan"]
 
@@ -224,7 +224,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pt_ray.plan_cli ...``: the ``plan`` command on its own."""
+    """``python -m pt_ray.cli.plan ...``: the ``plan`` command on its own."""
     parser = argparse.ArgumentParser(prog="pt-ray")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(sub)
