@@ -82,7 +82,7 @@ from pt_ray.data.base import gather
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import eval_shards
 from pt_ray.core.partition import partition
-from pt_ray.core.plan import CostTable, Plan
+from pt_ray.core.plan import CostTable, Plan, replica_batch
 from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.reference import build_model_for
 from pt_ray.costs.simulate import simulate
@@ -127,10 +127,6 @@ def _med(xs: list[float]) -> float:
 
 def plan_key(r: dict[str, Any]) -> tuple[int, int, int, int]:
     return (r["num_frozen"], r["pipeline_length"], r["num_replicas"], r["num_microbatches"])
-
-
-def replica_batch(cfg: RunConfig, r: int) -> int:
-    return cfg.data.batch_size // r if cfg.batch_policy == "fixed_global" else cfg.data.batch_size
 
 
 def steps_per_epoch(cfg: RunConfig, num_train: int, r: int) -> int:
@@ -235,7 +231,7 @@ def predict_timeline(timeline: list[dict[str, Any]], cfg: RunConfig, costs: dict
     eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
     for rec in timeline:
         n, k, r, m = plan_key(rec)
-        rb = replica_batch(cfg, r)
+        rb = replica_batch(cfg.data.batch_size, r, cfg.batch_policy)
         table = costs[rb // m]
         hit = float(rec.get("cache_hit_rate") or 0.0)
         plan = make_plan(table, n, k, r, m, cfg.pipeline.schedule, hit > 0, hw)
@@ -307,7 +303,7 @@ def calibrate_from_baseline(data, cfg, costs, hw, num_train, traffic) -> tuple[f
     recs = [run["timeline"][e] for run in data["runs"]["baseline"] for e in window]
     target = _med([r["epoch_time_s"] for r in recs])
     n, k, r, m = plan_key(recs[0])
-    rb = replica_batch(cfg, r)
+    rb = replica_batch(cfg.data.batch_size, r, cfg.batch_policy)
     table = costs[rb // m]
     steps = steps_per_epoch(cfg, num_train, r)
 
@@ -574,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a for a in data["runs"]]
     cfgs = {a: arm_config(data, cfg, a) for a in arms}
 
-    sizes = sorted({replica_batch(cfgs[a], rec["num_replicas"]) // rec["num_microbatches"]
+    sizes = sorted({replica_batch(cfgs[a].data.batch_size, rec["num_replicas"],
+                                  cfgs[a].batch_policy) // rec["num_microbatches"]
                     for a in arms for run in data["runs"][a] for rec in run["timeline"]})
     t0 = time.perf_counter()
     costs = profile(adapter, splits, sizes, args.profiles, args.repeats)

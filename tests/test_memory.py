@@ -19,6 +19,7 @@ from pt_ray.core.freeze import build_freeze_policy
 from pt_ray.costs.hwprofile import load_hardware
 from pt_ray.models.base import iter_layers
 from pt_ray.core.plan import CostTable, LayerCost, Planner, is_trainable
+from pt_ray.core.memory import MemoryModel
 from pt_ray.reporting.report import format_table, memory_table
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.memory import SavedActivations
@@ -237,3 +238,30 @@ def test_four_ranks_measure_their_stages_exactly_through_k_4_2_1():
     rank0 = timeline[1].memory[0]
     assert rank0.param_bytes - rank0.grad_bytes == sizes["embed"] + sizes["block.0"] + sizes[
         "block.1"]
+
+
+@pytest.mark.unit
+def test_one_memory_model_weighs_both_planners_stages():
+    # Literal costs, K = 2 at (0, 2, 4), 4 samples in flight on each stage.
+    costs = literal_costs()
+    outputs = MemoryModel(optimizer_state_factor=4.0)
+    assert outputs.stage_bytes(costs, (0, 2, 4), 0, [4, 4]) == [
+        4 * 100 + 4 * 1 + 2 * (4 * 10 + 4 * 2), 2 * (4 * 10 + 4 * 2) + 4 * 50 + 4 * 3]
+    # Frozen embed and block 0 weigh their parameters times frozen_param_factor on stage 0.
+    assert outputs.stage_bytes(costs, (1, 2, 4), 1, [4, 4])[0] == 100 + 10 + (4 * 10 + 4 * 2)
+    half = MemoryModel(optimizer_state_factor=4.0, frozen_param_factor=0.5)
+    assert half.stage_bytes(costs, (1, 2, 4), 1, [4, 4])[0] == 50 + 5 + (4 * 10 + 4 * 2)
+    # A factor: each trainable layer keeps that many outputs, the head its output once.
+    saved = MemoryModel(optimizer_state_factor=4.0, activation_factor=5.0)
+    assert saved.stage_bytes(costs, (0, 2, 4), 0, [4, 4])[1] == (
+        2 * (4 * 10 + 4 * 10) + 4 * 50 + 4 * 3)
+    # The planners hold that model, configured from their own arguments.
+    paper = Planner(2, costs, batch_size=8, schedule="gpipe", initial_pipeline_length=2)
+    assert paper.memory_model == MemoryModel(optimizer_state_factor=4.0, frozen_param_factor=1.0)
+    cost = CostModelPlanner(2, costs, load_hardware("local-cpu"), batch_size=8, schedule="gpipe",
+                            initial_pipeline_length=2, num_microbatches=2,
+                            activation_memory_factor=5.0)
+    assert cost.memory_model == saved
+    plan = cost.initial_plan()
+    assert cost.plan_memory(plan) == saved.stage_bytes(costs, plan.boundaries, 0, [8, 8],
+                                                       per_microbatch=4)

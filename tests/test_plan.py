@@ -2,7 +2,7 @@
 
 import pytest
 
-from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner, replica_batch
 
 pytestmark = pytest.mark.unit
 
@@ -171,3 +171,14 @@ def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
         plan = state.plan_for(decision)
         assert (plan.pipeline_length, plan.num_replicas) == (2, 1)
     assert plan.num_frozen == 4
+
+
+def test_one_replica_batch_for_both_policies_and_accumulation():
+    assert replica_batch(48, 4) == 12
+    assert replica_batch(48, 4, "per_replica") == 48
+    assert replica_batch(48, 2, "fixed_global", accumulation_steps=2) == 12
+    assert replica_batch(2, 4) == 1  # never an empty pass
+    # Both planners split the batch with it.
+    costs = CostTable.from_param_counts(1.0, [1.0] * 4, 1.0)
+    planner = Planner(4, costs, batch_size=48, batch_policy="per_replica", accumulation_steps=3)
+    assert planner.replica_batch(2) == replica_batch(48, 2, "per_replica", 3) == 16

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from pt_ray.core.memory import MemoryModel
 from pt_ray.core.partition import Partition, partition
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Transfer",
     "divisors",
     "pinned_length",
+    "replica_batch",
     "holders",
     "is_trainable",
     "stage_of",
@@ -207,6 +209,22 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def replica_batch(batch_size: int, num_replicas: int,
+                  batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global",
+                  accumulation_steps: int = 1) -> int:
+    """Samples one replica processes per pass (per step without gradient accumulation), at
+    least 1: the one batch split every planner, the simulator and the benchmarks use.
+
+    Args:
+        batch_size: B, ``data.batch_size``.
+        num_replicas: R.
+        batch_policy: ``fixed_global`` (the replicas share B) or ``per_replica`` (each takes B).
+        accumulation_steps: A, passes per optimizer step; a pass takes 1 / A of the step's share.
+    """
+    step = batch_size // num_replicas if batch_policy == "fixed_global" else batch_size
+    return max(1, step // accumulation_steps)
+
+
 def too_few_microbatches(batch: int, k: int, accumulation_steps: int = 1) -> ValueError:
     """The error for a replica batch that cannot give 1F1B's K micro-batches (both planners).
 
@@ -315,6 +333,8 @@ class Planner:
         self.cache_from = cache_from
         self.elastic = elastic
         self.accumulation_steps = accumulation_steps
+        self.memory_model = MemoryModel(optimizer_state_factor=optimizer_state_factor,
+                                        frozen_param_factor=frozen_weight)
         self.memory_budget = (
             memory_budget
             if memory_budget is not None
@@ -324,10 +344,9 @@ class Planner:
     # -- costs ---------------------------------------------------------------------------------
 
     def replica_batch(self, num_replicas: int) -> int:
-        """Samples one replica processes per pass (per step without gradient accumulation)."""
-        step = self.batch_size // num_replicas if self.batch_policy == "fixed_global" else (
-            self.batch_size)
-        return step // self.accumulation_steps
+        """Samples one replica processes per pass (:func:`replica_batch`)."""
+        return replica_batch(self.batch_size, num_replicas, self.batch_policy,
+                             self.accumulation_steps)
 
     def _time(self, c: LayerCost, frozen: bool) -> float:
         return c.forward_s * self.frozen_weight if frozen else c.forward_s + c.backward_s
@@ -344,11 +363,6 @@ class Planner:
         active = [self._time(b, False) for b in c.blocks[num_frozen:]]
         return partition(active, k, first_extra=prefix, last_extra=self._time(c.head, False))
 
-    def _layer_memory(self, c: LayerCost, frozen: bool, samples: int) -> float:
-        if frozen:
-            return c.param_bytes * self.frozen_weight
-        return c.param_bytes * self.optimizer_state_factor + c.activation_bytes * samples
-
     def stage_memory(self, part: Partition, num_frozen: int, k: int) -> list[float]:
         """Predicted peak bytes per stage of a partition (parameters, optimizer state, stored
         activations for backward)."""
@@ -364,23 +378,15 @@ class Planner:
 
     def _memory(self, bounds: Sequence[int], num_frozen: int, k: int,
                 microbatches: Callable[[], int]) -> list[float]:
-        c = self.costs
+        # The paper's rule: every stage keeps the activations of the samples 1F1B holds on
+        # stage 0 (at most K micro-batches in flight), GPipe the whole replica batch; one
+        # output per sample per active layer, and a frozen layer weighs its parameters times
+        # ``frozen_weight``.
         samples = self.replica_batch(self.num_workers // k)
         if self.schedule == "1f1b" and k > 1:
-            # 1F1B keeps at most K micro-batches in flight on stage 0.
             m = microbatches()
             samples = max(1, samples * min(m, k) // m)
-        mem = []
-        for s in range(k):
-            lo, hi = bounds[s], bounds[s + 1]
-            total = sum(self._layer_memory(b, False, samples) for b in c.blocks[lo:hi])
-            if s == 0:
-                total += self._layer_memory(c.embed, num_frozen > 0, samples)
-                total += sum(self._layer_memory(b, True, samples) for b in c.blocks[:num_frozen])
-            if s == k - 1:
-                total += self._layer_memory(c.head, False, samples)
-            mem.append(total)
-        return mem
+        return self.memory_model.stage_bytes(self.costs, bounds, num_frozen, [samples] * k)
 
     def microbatches_for(self, k: int, num_replicas: int) -> int:
         """M for a pipeline of K stages: forced, or the largest divisor of the replica batch up

@@ -24,8 +24,16 @@ from dataclasses import replace
 from typing import Literal
 
 from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, step_time
+from pt_ray.core.memory import MemoryModel
 from pt_ray.core.partition import Partition, partition
-from pt_ray.core.plan import CostTable, Plan, divisors, pinned_length, too_few_microbatches
+from pt_ray.core.plan import (
+    CostTable,
+    Plan,
+    divisors,
+    pinned_length,
+    replica_batch,
+    too_few_microbatches,
+)
 
 __all__ = ["CostModelPlanner", "cache_break_even"]
 
@@ -126,6 +134,8 @@ class CostModelPlanner:
         self.elastic = elastic
         self.accumulation_steps = accumulation_steps
         self._predictions: dict[Plan, StepBreakdown] = {}
+        self.memory_model = MemoryModel(optimizer_state_factor=optimizer_state_factor,
+                                        activation_factor=activation_memory_factor)
         self.memory_budget = memory_budget if memory_budget is not None else 0.9 * hw.device_memory_bytes
         if initial_pipeline_length is None:
             self.initial_pipeline_length = self._choose(0, num_workers).pipeline_length
@@ -145,10 +155,9 @@ class CostModelPlanner:
     # -- predictions ---------------------------------------------------------------------------
 
     def replica_batch(self, num_replicas: int) -> int:
-        """Samples one replica processes per pass (per step without gradient accumulation)."""
-        step = self.batch_size // num_replicas if self.batch_policy == "fixed_global" else (
-            self.batch_size)
-        return max(1, step // self.accumulation_steps)
+        """Samples one replica processes per pass (:func:`pt_ray.core.plan.replica_batch`)."""
+        return replica_batch(self.batch_size, num_replicas, self.batch_policy,
+                             self.accumulation_steps)
 
     def _partition(self, num_frozen: int, k: int, cache: bool) -> Partition:
         c = self.costs
@@ -177,30 +186,13 @@ class CostModelPlanner:
         With ``plan.activation_checkpointing`` a trainable block keeps only its input per
         micro-batch in flight (one output's worth), and the backward holds one block's
         activations of one micro-batch at a time while it recomputes them."""
-        c, k, m = self.costs, plan.pipeline_length, plan.num_microbatches
+        k, m = plan.pipeline_length, plan.num_microbatches
         per_mb = self.replica_batch(plan.num_replicas) / m
-        factor = self.activation_memory_factor
-        mem = []
-        for s in range(k):
-            held = m if plan.schedule == "gpipe" else min(m, k - s)
-            in_flight = held * per_mb  # samples whose activations wait for their backward
-            blocks = c.blocks[plan.boundaries[s]:plan.boundaries[s + 1]]
-            total = 0.0
-            for b in blocks:
-                kept = b.activation_bytes if plan.activation_checkpointing else b.kept_bytes(factor)
-                total += b.param_bytes * self.optimizer_state_factor + kept * in_flight
-            if plan.activation_checkpointing and blocks:
-                total += max(b.kept_bytes(factor) for b in blocks) * per_mb
-            if s == 0:
-                frozen = plan.num_frozen > 0
-                total += c.embed.param_bytes * (1 if frozen else self.optimizer_state_factor)
-                total += sum(b.param_bytes for b in c.blocks[:plan.num_frozen])
-                total += 0 if frozen else c.embed.kept_bytes(factor) * in_flight
-            if s == k - 1:
-                total += c.head.param_bytes * self.optimizer_state_factor
-                total += c.head.kept_bytes(1.0) * in_flight
-            mem.append(total)
-        return mem
+        # GPipe keeps all M micro-batches in flight; 1F1B at most K - s on stage s.
+        held = [m if plan.schedule == "gpipe" else min(m, k - s) for s in range(k)]
+        return self.memory_model.stage_bytes(
+            self.costs, plan.boundaries, plan.num_frozen, [h * per_mb for h in held],
+            per_microbatch=per_mb, checkpointing=plan.activation_checkpointing)
 
     def plan_memory(self, plan: Plan) -> list[float]:
         """:meth:`stage_memory`, under the name both planners give the estimate that a run's

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, step_time, transition_time
 from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.core.freeze import build_freeze_policy, frozen_timeline
-from pt_ray.core.plan import CostTable, Plan, Planner
+from pt_ray.core.plan import CostTable, Plan, Planner, replica_batch
 
 __all__ = [
     "SCENARIOS",
@@ -333,7 +333,7 @@ def _run(name: str, timeline: Sequence[int], planner, costs: CostTable, hw: Hard
         if exec_plan.cache:
             state = "hit" if level is not None else "miss"
         r = exec_plan.num_replicas
-        per_replica = batch_size if batch_policy == "per_replica" else batch_size // r
+        per_replica = replica_batch(batch_size, r, batch_policy)
         st = step_time(exec_plan, costs, hw, per_replica, runtime=runtime,
                        cache_state="miss" if state == "miss" else "hit", cached_level=level,
                        optimizer_traffic=optimizer_traffic)

@@ -62,7 +62,7 @@ from pt_ray.data.sampler import (
     split_for_replica,
 )
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
-from pt_ray.core.plan import CostTable, Plan, is_trainable
+from pt_ray.core.plan import CostTable, Plan, is_trainable, replica_batch
 from pt_ray.runtime.cache import ActivationStore, training_sampler
 from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
 from pt_ray.runtime.comm import Comm
@@ -266,8 +266,9 @@ class ElasticWorker:
         if plan.pipeline_length > 1:
             # The schedule runs one accumulation chunk at a time: its micro-batches are that
             # chunk's replica share / M.
-            microbatch = (self._replicas_batch(plan) // self.cfg.optimizer.accumulation_steps
-                          // plan.num_replicas // plan.num_microbatches)
+            pass_batch = replica_batch(self.cfg.data.batch_size, plan.num_replicas,
+                                       self.cfg.batch_policy, self.cfg.optimizer.accumulation_steps)
+            microbatch = pass_batch // plan.num_microbatches
             self.schedule = build_schedule(self.stage, plan, stage, self.topo.pipeline_group,
                                            self.device, self._scaled_loss, self._probe(),
                                            microbatch)
