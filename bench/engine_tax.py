@@ -54,7 +54,7 @@ from pt_ray.core.control import build_control_state  # noqa: E402
 from pt_ray.data.registry import build_dataset  # noqa: E402
 from pt_ray.core.plan import CostTable  # noqa: E402
 from pt_ray.runtime.engine import ElasticWorker, LocalController  # noqa: E402
-from pt_ray.runtime.reference import build_model_for  # noqa: E402
+from pt_ray.runtime.build import build_model_for  # noqa: E402
 
 
 def _engine(cfg, splits):

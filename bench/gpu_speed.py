@@ -34,7 +34,7 @@ from pt_ray.costs.hwprofile import profile_for_gpu
 from pt_ray.runtime.cache import InMemoryStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.engine import ElasticWorker, LocalController
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 from pt_ray.reporting.summary import ideal_speedup
 
 FULL = {"image": 224, "patch": 16, "depth": 12, "width": 768, "heads": 12, "batch": 128,

@@ -23,7 +23,8 @@ import torch
 from pt_ray.api import default_config_path
 from pt_ray.core.config import load_config
 from pt_ray.data.base import gather
-from pt_ray.runtime.reference import GradNormMeter, ReferenceTrainer, block_grad_norms
+from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
+from pt_ray.runtime.reference import ReferenceTrainer
 from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
 
 

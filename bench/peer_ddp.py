@@ -44,7 +44,7 @@ from pt_ray.core.config import RunConfig
 from pt_ray.data.base import SampleDataset
 from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.optim import lr_factor
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 
 __all__ = ["PeerRun", "check_config", "run_peer", "train_loop_per_worker"]
 

@@ -84,7 +84,7 @@ from pt_ray.data.sampler import eval_shards
 from pt_ray.core.partition import partition
 from pt_ray.core.plan import CostTable, Plan, replica_batch
 from pt_ray.runtime.profile import profile_costs
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 from pt_ray.costs.simulate import simulate
 
 TARGET_WALL = 0.20

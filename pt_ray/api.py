@@ -80,7 +80,7 @@ def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:
         ConfigError: the configuration cannot run (the message names the field and the fix).
     """
     from pt_ray.data.registry import build_dataset
-    from pt_ray.runtime.reference import build_model_for
+    from pt_ray.runtime.build import build_model_for
 
     # The builders raise ConfigError for what the user gave them (paths, files, names, model
     # fields); anything else they raise is a bug and keeps its traceback.

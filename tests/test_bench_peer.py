@@ -13,7 +13,7 @@ import torch
 from pt_ray.core.config import build_config
 from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.cache import training_sampler
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 
 # bench/ holds scripts, not a package: its modules import each other as top-level names.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

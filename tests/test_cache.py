@@ -17,7 +17,7 @@ from pt_ray.core.plan import CostTable, LayerCost, Planner
 from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy, training_sampler
 from pt_ray.runtime.cache import Segment, distinct_figures
 from pt_ray.runtime.prefix import CachedPrefix, gather_rows_on_device, gather_rows_on_host
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from pt_ray.data.registry import build_dataset
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime.cache import InMemoryStore
 from pt_ray.runtime.engine import ElasticWorker, LocalController
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

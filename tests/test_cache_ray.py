@@ -19,7 +19,8 @@ from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers
 from pt_ray.runtime.prefix import CachedPrefix
-from pt_ray.runtime.reference import ReferenceTrainer, build_model_for
+from pt_ray.runtime.build import build_model_for
+from pt_ray.runtime.reference import ReferenceTrainer
 from pt_ray.service.cache import CacheActor, RayStore
 from pt_ray.service.trainer import run_on_ray
 from test_ray_engine import tiny_config

@@ -12,7 +12,8 @@ from pt_ray.core.control import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.core.plan import Plan
 from pt_ray.runtime.engine import ElasticWorker, LocalController
-from pt_ray.runtime.reference import ReferenceTrainer, build_model_for
+from pt_ray.runtime.build import build_model_for
+from pt_ray.runtime.reference import ReferenceTrainer
 from pt_ray.runtime.stages import StageModule
 from test_engine_dist import VIT, assert_same_parameters, config, costs_for
 

@@ -20,7 +20,8 @@ from pt_ray.data.registry import build_dataset
 from pt_ray.models.base import iter_layers
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime.engine import ElasticWorker, LocalController
-from pt_ray.runtime.reference import ReferenceTrainer, build_model_for
+from pt_ray.runtime.build import build_model_for
+from pt_ray.runtime.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -22,7 +22,8 @@ from pt_ray.models.base import iter_layers
 from pt_ray.runtime.cache import InMemoryStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.engine import ElasticWorker, LocalController
-from pt_ray.runtime.reference import ReferenceTrainer, build_model_for
+from pt_ray.runtime.build import build_model_for
+from pt_ray.runtime.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

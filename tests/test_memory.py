@@ -23,7 +23,7 @@ from pt_ray.core.memory import MemoryModel
 from pt_ray.reporting.report import format_table, memory_table
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.memory import SavedActivations
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 from pt_ray.reporting.summary import EpochRecord, RankMemory
 
 F32 = 4

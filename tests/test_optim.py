@@ -178,7 +178,7 @@ def test_one_pass_gives_the_global_and_the_per_block_norms():
     # norms as the global one, and equal what block_grad_norms computes block by block.
     from pt_ray.models import build_adapter
     from pt_ray.core.config import ModelConfig
-    from pt_ray.runtime.reference import GradNormMeter, block_grad_norms
+    from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
     from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
 
     adapter = build_adapter(ModelConfig(family="timm", name="vit_base_patch16_224", depth=4,

@@ -19,7 +19,7 @@ from pt_ray.core.plan import is_trainable
 from pt_ray.runtime.checkpoint import load_layers, write_shard
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.owned import has_storage, is_held, materialise, release
-from pt_ray.runtime.reference import build_model_for
+from pt_ray.runtime.build import build_model_for
 from test_engine_dist import (VIT, assert_same_parameters, config, costs_for, resume_parts,
                               train_then_checkpoint)
 

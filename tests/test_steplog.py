@@ -156,7 +156,7 @@ def report_rank(rank, world, cfg):
     from pt_ray.data.registry import build_dataset
     from pt_ray.core.plan import CostTable
     from pt_ray.runtime.engine import ElasticWorker, LocalController
-    from pt_ray.runtime.reference import build_model_for
+    from pt_ray.runtime.build import build_model_for
 
     splits = build_dataset(cfg.data, seed=cfg.seed)
     adapter = build_model_for(cfg, splits)

@@ -80,7 +80,7 @@ from pt_ray.runtime.optim import (
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
-from pt_ray.runtime.reference import GradNormMeter
+from pt_ray.runtime.norms import GradNormMeter
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
 from pt_ray.runtime.sync import BlockIndex, all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology

@@ -68,7 +68,7 @@ def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: Path,
     """
     from pt_ray.data.registry import build_dataset
     from pt_ray.runtime.checkpoint import load_parameters
-    from pt_ray.runtime.reference import build_model_for
+    from pt_ray.runtime.build import build_model_for
 
     if splits is None:
         splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)

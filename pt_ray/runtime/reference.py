@@ -24,7 +24,6 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,8 +43,9 @@ from pt_ray.models.base import (
     layer_module,
     run_blocks,
 )
-from pt_ray.models.registry import build_adapter
+from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.cache import training_sampler
+from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
 from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
 from pt_ray.runtime.sync import clip_grad_norm
 from pt_ray.runtime.optim import (
@@ -58,88 +58,9 @@ from pt_ray.runtime.optim import (
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["GradNormMeter", "ReferenceTrainer", "build_model_for", "evaluate"]
+__all__ = ["ReferenceTrainer", "evaluate"]
 
 logger = logging.getLogger(__name__)
-
-
-def build_model_for(cfg: RunConfig, splits: DatasetSplits) -> ModelAdapter:
-    """Build the configured model sized for the dataset (classes, image size, vocabulary)."""
-    return build_adapter(
-        cfg.model,
-        num_classes=splits.num_classes,
-        task=splits.task,
-        image_size=splits.image_size,
-        in_chans=splits.in_chans,
-        vocab_size=splits.vocab_size,
-        seq_len=splits.seq_len,
-        seed=cfg.seed,
-    )
-
-
-@dataclass
-class GradNormMeter:
-    """Mean per-block gradient L2 norm over the steps since the last reset.
-
-    Norms accumulate as tensors on the gradients' device (no host read per step); :meth:`mean`
-    reads them back once per decision interval.
-    """
-
-    sums: dict[int, torch.Tensor | float] = field(default_factory=dict)
-    steps: int = 0
-    # add_vector's running sum: (first block, 1-D tensor), folded into ``sums`` when read.
-    _vector: tuple[int, torch.Tensor] | None = None
-
-    def add(self, norms: dict[int, torch.Tensor | float]) -> None:
-        for block, value in norms.items():
-            if torch.is_tensor(value):
-                value = value.detach().double()
-            self.sums[block] = self.sums[block] + value if block in self.sums else value
-        self.steps += 1
-
-    def add_vector(self, first: int, norms: torch.Tensor) -> None:
-        """One step's norms of blocks ``first, first + 1, ..`` as one tensor (one addition per
-        step, whatever the block count)."""
-        if self._vector is not None and self._vector[0] == first and (
-                self._vector[1].shape == norms.shape):
-            self._vector = (first, self._vector[1] + norms.detach().double())
-        else:
-            self._fold()
-            self._vector = (first, norms.detach().double())
-        self.steps += 1
-
-    def _fold(self) -> None:
-        if self._vector is not None:
-            first, vec = self._vector
-            self._vector = None
-            for i, value in enumerate(vec.cpu().tolist()):
-                b = first + i
-                self.sums[b] = self.sums[b] + value if b in self.sums else value
-
-    def mean(self) -> dict[int, float]:
-        self._fold()
-        return {b: float(s) / self.steps for b, s in self.sums.items()} if self.steps else {}
-
-    def state_dict(self) -> dict:
-        """Plain numbers, for checkpoints."""
-        self._fold()
-        return {"sums": {b: float(s) for b, s in self.sums.items()}, "steps": self.steps}
-
-    def reset(self) -> None:
-        self.sums.clear()
-        self._vector = None
-        self.steps = 0
-
-
-def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, torch.Tensor]:
-    """L2 norm of each listed block's current gradient, as 0-d tensors on its device (blocks
-    without gradients skipped)."""
-    out = {}
-    for i in blocks:
-        grads = [p.grad for p in adapter.blocks[i].parameters() if p.grad is not None]
-        if grads:
-            out[i] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
-    return out
 
 
 @torch.no_grad()
