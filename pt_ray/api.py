@@ -15,8 +15,10 @@ from pt_ray.core.config import ConfigError, RunConfig, apply_overrides, build_co
 from pt_ray.reporting.summary import EpochRecord, format_epoch, write_summary
 
 if TYPE_CHECKING:
+    from pt_ray.core.devices import DeviceChoice
     from pt_ray.data.base import DatasetSplits
     from pt_ray.models.base import ModelAdapter
+    from pt_ray.runtime.resume import ResumePoint
 
 __all__ = ["Result", "check_output_dir", "default_config_path", "fit", "preflight",
            "resolve_config"]
@@ -220,32 +222,9 @@ def fit(
             With ``resume_from``: the folder holds no run that can resume (see
             :func:`pt_ray.runtime.resume.resume_point`), or ``config`` or ``output_dir`` was given too.
     """
-    resumed = None
-    if resume_from is not None:
-        from pt_ray.runtime.resume import resume_point
-
-        if config is not None or output_dir is not None:
-            raise ConfigError("resume_from continues a run with its own config.yaml in its own "
-                              "folder: pass neither config nor output_dir with it")
-        resumed = resume_point(resume_from, list(overrides))
-        cfg, run_dir = resumed.config, resumed.run_dir
-        logger.info("resuming %r in %s from its checkpoint after epoch %d of %d (%s)", cfg.name,
-                    run_dir, resumed.next_epoch, cfg.epochs, resumed.checkpoint.name)
-    else:
-        cfg = resolve_config(config, overrides)
-        run_dir = Path(output_dir) if output_dir is not None else cfg.run_dir()
+    cfg, run_dir, resumed = _run_folder(config, resume_from, overrides, output_dir)
     check_output_dir(run_dir)
-    # Imported here so that config errors surface before torch, Ray and the model load.
-    if cfg.engine == "ray":
-        from pt_ray.service.trainer import cluster_devices, starts_embedded
-
-        # An embedded cluster's GPUs are known now: a missing GPU fails before the preflight.
-        choice = cluster_devices(cfg) if starts_embedded() else None
-    else:
-        from pt_ray.core.devices import choose_devices
-
-        choice = choose_devices(cfg, cluster_gpus=0)
-        logger.info(choice.describe())
+    choice = _early_device_choice(cfg)
     built_from = time.perf_counter()
     splits, adapter = preflight(cfg)
     preflight_s = time.perf_counter() - built_from
@@ -258,70 +237,136 @@ def fit(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(resolved.to_yaml())
 
+    # The reference run's time counts building its dataset and model, as the Ray workers' does.
+    t0 = built_from if cfg.engine == "reference" else time.perf_counter()
+    if cfg.engine == "reference":
+        assert choice is not None
+        run = _train_reference(choice.apply(cfg), choice.device, splits, adapter, run_dir,
+                               start, on_epoch)
+    else:
+        del splits, adapter  # the workers build their own
+        run = _train_on_ray(cfg, choice, run_dir, worker_env, start, on_epoch, resumed,
+                            preflight_s)
+    wall = time.perf_counter() - t0
+    cfg, extra, timeline = run.config, run.extra, run.timeline
+    summary = write_summary(
+        run_dir / "summary.json",
+        wall_time_s=wall,
+        metric_name=run.metric_name,
+        timeline=timeline,
+        config=cfg.model_dump(mode="json"),
+        device=run.device,
+        precision=cfg.precision,
+        extra=extra,
+    )
+    _write_extras(cfg, summary, run_dir)
+    _export_model(cfg, run_dir, run.trained, extra.get("checkpoint"))
+    return Result(cfg, timeline, run.metric_name, timeline[-1].eval_metric, wall, run_dir,
+                  checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
+                  restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))
+
+
+def _run_folder(config: RunConfig | Mapping[str, Any] | str | Path | None,
+                resume_from: str | Path | None, overrides: Iterable[str],
+                output_dir: str | Path | None) -> tuple[RunConfig, Path, ResumePoint | None]:
+    """Step 1 of :func:`fit`: the run's config and folder, a new run's or a resumed one's."""
+    if resume_from is None:
+        cfg = resolve_config(config, overrides)
+        return cfg, Path(output_dir) if output_dir is not None else cfg.run_dir(), None
+    from pt_ray.runtime.resume import resume_point
+
+    if config is not None or output_dir is not None:
+        raise ConfigError("resume_from continues a run with its own config.yaml in its own "
+                          "folder: pass neither config nor output_dir with it")
+    resumed = resume_point(resume_from, list(overrides))
+    cfg, run_dir = resumed.config, resumed.run_dir
+    logger.info("resuming %r in %s from its checkpoint after epoch %d of %d (%s)", cfg.name,
+                run_dir, resumed.next_epoch, cfg.epochs, resumed.checkpoint.name)
+    return cfg, run_dir, resumed
+
+
+def _early_device_choice(cfg: RunConfig) -> DeviceChoice | None:
+    """Step 2 of :func:`fit`: the devices, where they are known before the preflight (the
+    reference engine's, an embedded cluster's); None when a cluster decides once connected.
+    Imported here so that config errors surface before torch, Ray and the model load."""
+    if cfg.engine == "ray":
+        from pt_ray.service.trainer import cluster_devices, starts_embedded
+
+        # An embedded cluster's GPUs are known now: a missing GPU fails before the preflight.
+        return cluster_devices(cfg) if starts_embedded() else None
+    from pt_ray.core.devices import choose_devices
+
+    choice = choose_devices(cfg, cluster_gpus=0)
+    logger.info(choice.describe())
+    return choice
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """What an engine's training hands back to :func:`fit` for the summary and the export."""
+
+    config: RunConfig
+    device: str
+    metric_name: str
+    timeline: list[EpochRecord]
+    extra: dict[str, Any]
+    trained: Any = None  # the reference trainer's adapter; None: the parameters are in shards
+
+
+def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter: ModelAdapter,
+                     run_dir: Path, start: Callable[[RunConfig], None],
+                     on_epoch: Callable[[EpochRecord], None] | None) -> _Trained:
+    """Step 3 of :func:`fit` on the reference engine: train the preflight's dataset and model
+    in this process."""
+    start(cfg)
+    from pt_ray.runtime.reference import ReferenceTrainer
+
+    from pt_ray.reporting.steplog import StepReporter, StepWriter
+
+    # No Ray Train to report to: the step reports go to TensorBoard only, if on.
+    steps = (StepReporter(writer=StepWriter(run_dir / "tensorboard"))
+             if cfg.logging.tensorboard else None)
+    # The preflight's dataset and model: built once, in the order the trainer builds them.
+    trainer = ReferenceTrainer(cfg, splits=splits, adapter=adapter, on_step_report=steps)
+    metric_name = trainer.adapter.metric_name
+
     def report(rec: EpochRecord) -> None:
         if on_epoch is not None:
             on_epoch(rec)
         else:
             logger.info(format_epoch(rec, cfg.epochs, metric_name))
 
-    # The reference run's time counts building its dataset and model, as the Ray workers' does.
-    t0 = built_from if cfg.engine == "reference" else time.perf_counter()
+    try:
+        timeline = trainer.fit(report)
+    finally:
+        if steps is not None:
+            steps.close()
+    rollbacks = [{**r, "discarded": [asdict(d) for d in trainer.discarded]}
+                 for r in trainer.rollbacks]
+    return _Trained(cfg, device, metric_name, timeline,
+                    {"engine": cfg.engine, "rollbacks": rollbacks}, trained=trainer.adapter)
+
+
+def _train_on_ray(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path,
+                  worker_env: dict[str, str] | None, start: Callable[[RunConfig], None],
+                  on_epoch: Callable[[EpochRecord], None] | None, resumed: ResumePoint | None,
+                  preflight_s: float) -> _Trained:
+    """Step 3 of :func:`fit` on Ray: the workers train (and log each epoch as it ends);
+    ``on_epoch`` sees the records at the end."""
+    from pt_ray.service.trainer import run_on_ray
+
+    run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice,
+                     resume_from=resumed.checkpoint if resumed else None)
+    if on_epoch is not None:
+        for rec in run.timeline:
+            on_epoch(rec)
     extra: dict[str, Any] = {"engine": cfg.engine}
-    if cfg.engine == "reference":
-        assert choice is not None
-        cfg, device = choice.apply(cfg), choice.device
-        start(cfg)
-        from pt_ray.runtime.reference import ReferenceTrainer
-
-        from pt_ray.reporting.steplog import StepReporter, StepWriter
-
-        # No Ray Train to report to: the step reports go to TensorBoard only, if on.
-        steps = (StepReporter(writer=StepWriter(run_dir / "tensorboard"))
-                 if cfg.logging.tensorboard else None)
-        # The preflight's dataset and model: built once, in the order the trainer builds them.
-        trainer = ReferenceTrainer(cfg, splits=splits, adapter=adapter, on_step_report=steps)
-        trained = trainer.adapter
-        metric_name = trainer.adapter.metric_name
-        try:
-            timeline = trainer.fit(report)
-        finally:
-            if steps is not None:
-                steps.close()
-        extra["rollbacks"] = [{**r, "discarded": [asdict(d) for d in trainer.discarded]}
-                              for r in trainer.rollbacks]
-    else:
-        from pt_ray.service.trainer import run_on_ray
-
-        del splits, adapter  # the workers build their own
-        trained = None  # the parameters are in the checkpoint's shards
-        run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice,
-                         resume_from=resumed.checkpoint if resumed else None)
-        cfg, device = run.config, run.device
-        metric_name, timeline = run.metric_name, run.timeline
-        if on_epoch is not None:
-            for rec in timeline:
-                on_epoch(rec)
-        extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
-                     decisions=run.decisions, restarts=run.restarts, cache=run.cache,
-                     rollbacks=run.rollbacks,
-                     # The driver's checks come before wall_time_s starts; the rest within it.
-                     startup={"preflight_s": preflight_s, **run.startup})
-        if resumed is not None:
-            extra["resumed_from"] = {"checkpoint": str(resumed.checkpoint),
-                                     "after_epoch": resumed.next_epoch}
-    wall = time.perf_counter() - t0
-    summary = write_summary(
-        run_dir / "summary.json",
-        wall_time_s=wall,
-        metric_name=metric_name,
-        timeline=timeline,
-        config=cfg.model_dump(mode="json"),
-        device=device,
-        precision=cfg.precision,
-        extra=extra,
-    )
-    _write_extras(cfg, summary, run_dir)
-    _export_model(cfg, run_dir, trained, extra.get("checkpoint"))
-    return Result(cfg, timeline, metric_name, timeline[-1].eval_metric, wall, run_dir,
-                  checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
-                  restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))
+    extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
+                 decisions=run.decisions, restarts=run.restarts, cache=run.cache,
+                 rollbacks=run.rollbacks,
+                 # The driver's checks come before wall_time_s starts; the rest within it.
+                 startup={"preflight_s": preflight_s, **run.startup})
+    if resumed is not None:
+        extra["resumed_from"] = {"checkpoint": str(resumed.checkpoint),
+                                 "after_epoch": resumed.next_epoch}
+    return _Trained(run.config, run.device, run.metric_name, run.timeline, extra)

@@ -105,7 +105,7 @@ def recorded_run(rank, world, cfg):
     try:
         worker = make_worker(cfg, world)
         timeline = worker.fit()
-        declared = worker.comm.device_of(None)
+        declared = worker.comm.device
         worker.close()
     finally:
         recorder.close()

@@ -50,6 +50,10 @@ class Comm:
         device: this rank's compute device (where the model lives).
         backend: the WORLD group's backend (default: read from the initialised WORLD group).
 
+    Attributes:
+        device: the device every tensor handed to a group must be on (every group of a run
+            shares WORLD's backend, so this is one device).
+
     Raises:
         ValueError: the backend cannot serve this rank's device (an NCCL group on a CPU rank).
     """
@@ -67,11 +71,6 @@ class Comm:
                 f"{', '.join(sorted(served))} tensors, but this rank computes on {device}; use "
                 "gloo for CPU workers, or 'cpu:gloo,cuda:nccl' on GPU workers"
             )
-
-    def device_of(self, group: dist.ProcessGroup | None = None) -> torch.device:
-        """The device every tensor handed to ``group`` must be on (every group of a run shares
-        WORLD's backend, so this is one device)."""
-        return self.device
 
     def _on(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device == self.device else t.to(self.device)

@@ -76,9 +76,6 @@ class CacheCounters:
         """Seconds the prefix cost with the cache: reads, layers run, and writes handed off."""
         return self.io_s + self.compute_s + self.write_s
 
-    def as_list(self) -> list[float]:
-        return [float(getattr(self, f.name)) for f in fields(self)]
-
 
 class CachedPrefix:
     """Computes stage 0's frozen-prefix output for a batch of samples through the cache.
