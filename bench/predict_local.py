@@ -18,10 +18,8 @@ a ``compare.json`` and prints it beside the measurement:
    forward and backward of every micro-batch on every stage). By default o is solved (bisection)
    so that the predicted epoch of the baseline's plan equals the median measured epoch of the
    baseline arm's first epochs, those in which pt-ray still ran the same plan (K = 2, M = 2,
-   nothing frozen); ``--calibration microbench`` takes o from a training step timed in this
-   process instead (nothing from the measured run is used then); ``--overhead-s X`` fixes it.
-   Both calibrations are always computed and shown (the one not chosen as a cross-check), and
-   so is the shipped ``local-cpu`` profile's o, uncalibrated.
+   nothing frozen); ``--overhead-s X`` fixes it. The shipped ``local-cpu`` profile's o,
+   uncalibrated, is shown as a cross-check.
 3. Predict each arm from the plans its measured timeline shows, epoch by epoch: (n, K, R, M) as
    recorded, stage boundaries by the planner's partition of the profile, the cache on when the
    epoch recorded cache hits; epoch time = steps x ``step_time(plan, costs, hw)``, steps =
@@ -37,16 +35,15 @@ a ``compare.json`` and prints it beside the measurement:
    Ray Train's controller takes one per poll, every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``
    (2 s unless the JSON's env says otherwise), so an epoch cannot end sooner than one poll after
    the previous one once the queue is full (simulated, averaged over the poll's phase).
-5. End to end. ``pt_ray.costs.simulate.simulate`` with pt-ray's measured freeze timeline as
-   ``frozen=`` and the cost planner as the engine builds it (initial K, memory budget of the
-   initial plan, cache mode) chooses the plans itself; its plans and times are shown beside the
-   measured ones, with the calibrated hardware profile and with the shipped one, and with the
-   cache off when the measured run read no cache.
+
+The cost-model parts (the recorded plans, their epochs, the calibration's bisection, the
+evaluation and the report cadence) are :mod:`pt_ray.costs.replay`'s; this script profiles,
+reads the measured JSON and compares.
 
 Writes ``--out`` (default: ``predict.json`` beside the measured JSON) and prints a table. Usage::
 
     .venv/bin/python bench/predict_local.py --measured bench/out/<x>/compare.json \\
-        [--out bench/out/predict.json] [--calibration baseline|microbench] [--overhead-s S]
+        [--out bench/out/predict.json] [--overhead-s S]
 
 Run it on the machine that ran ``compare.py``, right after it (the profile and the benchmark
 should see the same machine load), with nothing else running.
@@ -56,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -69,23 +65,20 @@ import torch
 
 from pt_ray.api import default_config_path, resolve_config
 from pt_ray.core.config import RunConfig
-from pt_ray.core.control import cache_policy, merge_costs
-from pt_ray.costs.costmodel import (
-    PT_RAY,
-    HardwareProfile,
-    load_hardware,
-    step_time,
-    transition_time,
+from pt_ray.core.control import merge_costs
+from pt_ray.core.plan import CostTable, replica_batch
+from pt_ray.costs.costmodel import load_hardware
+from pt_ray.costs.replay import (
+    RecordedEpoch,
+    epoch_ends,
+    replay_epochs,
+    solve_overhead,
 )
-from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.data.base import gather
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import eval_shards
-from pt_ray.core.partition import partition
-from pt_ray.core.plan import CostTable, Plan, replica_batch
-from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.build import build_model_for
-from pt_ray.costs.simulate import simulate
+from pt_ray.runtime.profile import profile_costs
 
 TARGET_WALL = 0.20
 """Issue 5: predicted wall time within 20 % of the measured one, for both arms."""
@@ -129,12 +122,6 @@ def plan_key(r: dict[str, Any]) -> tuple[int, int, int, int]:
     return (r["num_frozen"], r["pipeline_length"], r["num_replicas"], r["num_microbatches"])
 
 
-def steps_per_epoch(cfg: RunConfig, num_train: int, r: int) -> int:
-    """The engine's loop: steps while a whole batch of the replicas remains (last one dropped)."""
-    size = cfg.data.batch_size if cfg.batch_policy == "fixed_global" else cfg.data.batch_size * r
-    return num_train // size
-
-
 # -- 1. profile ---------------------------------------------------------------------------------
 
 
@@ -153,113 +140,38 @@ def costs_summary(c: CostTable) -> dict[str, Any]:
     ms = lambda x: round(x * 1e3, 4)  # noqa: E731
     return {
         "samples": c.samples,
-        "embed_fwd_bwd_ms": [ms(c.embed.forward_s), ms(c.embed.backward_s)],
         "blocks_fwd_bwd_ms": [[ms(b.forward_s), ms(b.backward_s)] for b in c.blocks],
-        "head_fwd_bwd_ms": [ms(c.head.forward_s), ms(c.head.backward_s)],
-        "total_fwd_bwd_ms": ms(c.embed.forward_s + c.embed.backward_s + c.head.forward_s
-                               + c.head.backward_s
-                               + sum(b.forward_s + b.backward_s for b in c.blocks)),
-        "block_activation_bytes_per_sample": c.blocks[0].activation_bytes,
-        "param_bytes": {"embed": c.embed.param_bytes,
-                        "blocks": [b.param_bytes for b in c.blocks],
-                        "head": c.head.param_bytes},
+        "total_fwd_bwd_ms": ms(sum(x.forward_s + x.backward_s
+                                   for x in (c.embed, *c.blocks, c.head))),
     }
 
 
-# -- 3. plans and predicted epochs --------------------------------------------------------------
-
-
-def make_plan(costs: CostTable, n: int, k: int, r: int, m: int, schedule: str,
-              cache: bool, hw: HardwareProfile) -> Plan:
-    """The measured (n, K, R, M) with the boundaries the cost planner cuts from this profile
-    (the same partition as ``CostModelPlanner._partition``; the timeline does not record them)."""
-    c = costs
-    active = [b.forward_s + b.backward_s for b in c.blocks[n:]]
-    if n == 0:
-        first = c.embed.forward_s + c.embed.backward_s
-    elif cache:
-        first = c.blocks[n - 1].activation_bytes * c.samples / PT_RAY.cache_rate(hw)
-    else:
-        first = c.embed.forward_s + sum(b.forward_s for b in c.blocks[:n])
-    part = partition(active, k, first_extra=first,
-                     last_extra=c.head.forward_s + c.head.backward_s)
-    return Plan(generation=0, num_layers=c.num_layers, num_frozen=n, pipeline_length=k,
-                num_replicas=r, boundaries=tuple(n + b for b in part.boundaries),
-                num_microbatches=m, schedule=schedule, cache=cache, stage_loads=part.loads)
-
-
-def eval_time(plan: Plan, costs: CostTable, hw: HardwareProfile, num_eval: int,
-              eval_batch: int) -> float:
-    """Predicted evaluation: each replica's shard in batches, forward only through its stages
-    (stage k starts batch b when it has finished b-1 and stage k-1 has sent b), the profile
-    scaled per sample, the per-micro-batch overhead per stage and batch; the slowest replica."""
-    c, k = costs, plan.pipeline_length
-    per = 1.0 / c.samples
-    stage_f = []
-    for s in range(k):
-        f = sum(c.blocks[i].forward_s for i in range(plan.boundaries[s], plan.boundaries[s + 1]))
-        if s == 0:
-            f += c.embed.forward_s + sum(b.forward_s for b in c.blocks[:plan.num_frozen])
-        if s == k - 1:
-            f += c.head.forward_s
-        stage_f.append(f * per)
-    worst = 0.0
-    for rep in range(plan.num_replicas):
-        done = [0.0] * k
-        for idx in eval_shards(num_eval, eval_batch, rep, plan.num_replicas):
-            prev = 0.0
-            for s in range(k):
-                send = 0.0
-                if s:
-                    bw, lat = hw.link(plan.rank_of(rep, s - 1), plan.rank_of(rep, s))
-                    nb = c.blocks[plan.boundaries[s] - 1].activation_bytes * len(idx)
-                    send = nb / bw + lat
-                work = stage_f[s] * len(idx) + hw.per_microbatch_overhead_s
-                done[s] = max(done[s], prev + send) + work
-                prev = done[s]
-        worst = max(worst, done[-1])
-    return worst
+# -- 3. predicted epochs -----------------------------------------------------------------------
 
 
 def predict_timeline(timeline: list[dict[str, Any]], cfg: RunConfig, costs: dict[int, CostTable],
-                     hw: HardwareProfile, num_train: int, num_eval: int,
-                     optimizer_traffic: float) -> list[dict[str, Any]]:
+                     hw, num_train: int, num_eval: int, traffic: float) -> list[dict[str, Any]]:
     """Per measured epoch: its plan's predicted step, epoch, transition and evaluation."""
-    out = []
-    prev: Plan | None = None
-    level: int | None = None
     eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
-    for rec in timeline:
-        n, k, r, m = plan_key(rec)
-        rb = replica_batch(cfg.data.batch_size, r, cfg.batch_policy)
-        table = costs[rb // m]
-        hit = float(rec.get("cache_hit_rate") or 0.0)
-        plan = make_plan(table, n, k, r, m, cfg.pipeline.schedule, hit > 0, hw)
-        if plan.cache:
-            # A mix of hits (at the level the cache held) and misses (prefix + write).
-            hit_s = step_time(plan, table, hw, rb, cache_state="hit", cached_level=level or n,
-                              optimizer_traffic=optimizer_traffic).step_s
-            miss_s = step_time(plan, table, hw, rb, cache_state="miss",
-                               optimizer_traffic=optimizer_traffic).step_s
-            step = hit * hit_s + (1 - hit) * miss_s
-        else:
-            step = step_time(plan, table, hw, rb, optimizer_traffic=optimizer_traffic).step_s
-        steps = steps_per_epoch(cfg, num_train, r)
-        moved = prev is not None and replace(prev, cache=False) != replace(plan, cache=False)
-        trans = transition_time(prev, plan, table, hw) if moved else 0.0
-        out.append({
-            "epoch": rec.get("epoch"), "num_frozen": n, "pipeline_length": k, "num_replicas": r,
-            "num_microbatches": m, "boundaries": list(plan.boundaries), "cache": plan.cache,
-            "steps": steps, "step_time_s": step, "epoch_time_s": steps * step,
-            "transition_time_s": trans,
-            "eval_time_s": eval_time(plan, table, hw, num_eval, eval_batch),
-            "measured_epoch_time_s": rec["epoch_time_s"],
-            "measured_transition_time_s": rec["transition_time_s"],
-            "measured_eval_time_s": rec.get("eval_time_s"),
-        })
-        prev = plan
-        level = n if plan.cache else None
-    return out
+    shards = lambda r: [[len(b) for b in eval_shards(num_eval, eval_batch, rep, r)]  # noqa: E731
+                        for rep in range(r)]
+    epochs = replay_epochs(timeline, costs, hw, batch_size=cfg.data.batch_size,
+                           batch_policy=cfg.batch_policy, schedule=cfg.pipeline.schedule,
+                           num_train=num_train, eval_shards=shards, optimizer_traffic=traffic)
+    return [epoch_row(e, rec) for e, rec in zip(epochs, timeline)]
+
+
+def epoch_row(e: RecordedEpoch, rec: dict[str, Any]) -> dict[str, Any]:
+    p = e.plan
+    return {
+        "epoch": rec.get("epoch"), "num_frozen": p.num_frozen, "pipeline_length": p.pipeline_length,
+        "num_replicas": p.num_replicas, "num_microbatches": p.num_microbatches,
+        "boundaries": list(p.boundaries), "cache": p.cache, "steps": e.steps,
+        "step_time_s": e.step_s, "epoch_time_s": e.epoch_s, "transition_time_s": e.transition_s,
+        "eval_time_s": e.eval_s, "measured_epoch_time_s": rec["epoch_time_s"],
+        "measured_transition_time_s": rec["transition_time_s"],
+        "measured_eval_time_s": rec.get("eval_time_s"),
+    }
 
 
 def train_time(epochs: list[dict[str, Any]]) -> float:
@@ -282,20 +194,6 @@ def same_plan_window(data: dict[str, Any]) -> list[int]:
     return window
 
 
-def solve_overhead(predict_epoch, target: float, hi: float = 0.1) -> float:
-    """o >= 0 with ``predict_epoch(o) == target`` (the prediction grows with o); 0 if even o = 0
-    predicts more."""
-    if predict_epoch(0.0) >= target:
-        return 0.0
-    lo = 0.0
-    while predict_epoch(hi) < target:
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predict_epoch(mid) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
 def calibrate_from_baseline(data, cfg, costs, hw, num_train, traffic) -> tuple[float, dict]:
     """o such that the baseline's plan predicts the median measured epoch of the baseline arm's
     same-plan (first) epochs, pooled over repeats."""
@@ -303,14 +201,12 @@ def calibrate_from_baseline(data, cfg, costs, hw, num_train, traffic) -> tuple[f
     recs = [run["timeline"][e] for run in data["runs"]["baseline"] for e in window]
     target = _med([r["epoch_time_s"] for r in recs])
     n, k, r, m = plan_key(recs[0])
-    rb = replica_batch(cfg.data.batch_size, r, cfg.batch_policy)
-    table = costs[rb // m]
-    steps = steps_per_epoch(cfg, num_train, r)
 
     def epoch(o: float) -> float:
         h = replace(hw, per_microbatch_overhead_s=o)
-        plan = make_plan(table, n, k, r, m, cfg.pipeline.schedule, False, h)
-        return steps * step_time(plan, table, h, rb, optimizer_traffic=traffic).step_s
+        return replay_epochs(recs[:1], costs, h, batch_size=cfg.data.batch_size,
+                             batch_policy=cfg.batch_policy, schedule=cfg.pipeline.schedule,
+                             num_train=num_train, optimizer_traffic=traffic)[0].epoch_s
 
     o = solve_overhead(epoch, target)
     return o, {"method": "baseline", "epochs": window, "plan": [n, k, r, m],
@@ -318,91 +214,7 @@ def calibrate_from_baseline(data, cfg, costs, hw, num_train, traffic) -> tuple[f
                "predicted_epoch_time_at_o0_s": epoch(0.0)}
 
 
-def calibrate_microbench(cfg, adapter, splits, costs, hw, traffic, chunks: int = 6,
-                         steps: int = 20) -> tuple[float, dict]:
-    """o from a training step timed in this process: the whole model (K = 1, R = 1, M = 1) on a
-    micro-batch as the engine runs it (gather, forward, loss, backward, per-block gradient norms,
-    global-norm clip, optimizer step); o = (measured - predicted at o = 0) / 2, the step having
-    one forward and one backward. It sees no gloo and no pipeline library. The step time is
-    the median of a chunk of steps, the least disturbed of several chunks (other processes only
-    ever add time, and this machine's load comes in bursts)."""
-    import copy
-
-    from pt_ray.models.base import iter_layers
-    from pt_ray.runtime.optim import build_optimizer, layer_param_groups, set_lr
-    from pt_ray.runtime.stages import StageModule
-    from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
-
-    size = min(costs)
-    table = costs[size]
-    model = copy.deepcopy(adapter)
-    plan = make_plan(table, 0, 1, 1, 1, cfg.pipeline.schedule, False, hw)
-    stage = StageModule(model, plan, 0)
-    model.model.train()
-    opt = build_optimizer(cfg.optimizer, layer_param_groups(list(iter_layers(model)),
-                                                            cfg.optimizer.weight_decay))
-    params = [p for p in stage.parameters() if p.requires_grad]
-    # The engine's norms: per block from the clipping's own per-parameter norms.
-    blocks = BlockIndex(params, {b: list(model.blocks[b].parameters())
-                                 for b in range(model.num_layers)},
-                        0, model.num_layers, torch.device("cpu"))
-    n = len(splits.train)
-    chunk_medians = []
-    for chunk in range(chunks + 1):  # the first chunk warms up and is discarded
-        times = []
-        for it in range(steps):
-            t0 = time.perf_counter()
-            set_lr(opt, cfg.optimizer.lr)
-            opt.zero_grad(set_to_none=True)
-            start = ((chunk * steps + it) * size) % max(1, n - size)
-            batch = gather(splits.train, list(range(start, start + size)))
-            value = model.loss(stage(*batch.inputs), batch.target)
-            value.backward()
-            float(value.detach())
-            clip_grad_norm(None, params, cfg.optimizer.grad_clip, None, blocks=blocks)
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        if chunk:
-            chunk_medians.append(_med(times))
-    measured = min(chunk_medians)
-    h0 = replace(hw, per_microbatch_overhead_s=0.0)
-    predicted = step_time(plan, table, h0, size, optimizer_traffic=traffic).step_s
-    return max(0.0, (measured - predicted) / 2), {
-        "method": "microbench", "micro_batch": size, "chunks": chunks, "steps": steps,
-        "measured_step_s": measured, "chunk_median_step_s": chunk_medians,
-        "predicted_step_at_o0_s": predicted,
-    }
-
-
 # -- 4. wall time -------------------------------------------------------------------------------
-
-
-def epoch_ends(works: list[float], report_s: float, poll_s: float, phases: int = 16
-               ) -> float:
-    """Expected time from epoch 0's checkpoint to the last epoch's.
-
-    An epoch's checkpoint is written ``report_s`` after its work (training, transition, eval);
-    its report then waits for the rank's one-slot result queue, which Ray Train's controller
-    empties at its polls, every ``poll_s``, taking a report at the first poll after it was put.
-    The next epoch starts once the report is in the queue. Averaged over the polls' phase.
-    (Checked against the measured checkpoint times of bench/out/abba and bench/out/poll02: the
-    sum of epochs and gaps is matched within 1 s for every run.)"""
-    if len(works) < 2:
-        return 0.0
-    total = 0.0
-    for ph in range(phases):
-        phase = poll_s * ph / phases
-        t = first = works[0] + report_s
-        taken = -math.inf
-        for w in works[1:]:
-            put = max(t, taken)  # the slot is free once the previous report was taken
-            if poll_s > 0:
-                taken = phase + (math.floor((put - phase) / poll_s + 1e-9) + 1) * poll_s
-            else:
-                taken = put
-            t = put + w + report_s
-        total += t - first
-    return total / phases
 
 
 def fixed_costs(data: dict[str, Any]) -> dict[str, Any]:
@@ -436,57 +248,6 @@ def predict_wall(epochs: list[dict[str, Any]], fixed: dict[str, Any]) -> float |
     # The split's start-up and teardown are timed around the fit() call; wall_time_s inside it.
     return (fixed["startup_s"] + works[0] + epoch_ends(works, fixed["report_s"], fixed["poll_s"])
             + fixed["teardown_s"] - fixed["outside_fit_s"])
-
-
-# -- 5. end to end ------------------------------------------------------------------------------
-
-
-def end_to_end(data, cfg: RunConfig, costs: CostTable, hw: HardwareProfile, num_train: int,
-               deterministic: bool, traffic: float, cache: str | None = None) -> dict[str, Any]:
-    """``simulate`` with pt-ray's measured freeze timeline, choosing plans with the cost planner
-    as the engine builds it (``pt_ray.core.control.build_control_state``); ``cache`` overrides the
-    configured cache mode."""
-    n_workers = data.get("num_workers") or cfg.pipeline.num_workers
-    p = cfg.pipeline
-    largest = max(d for d in range(1, n_workers + 1)
-                  if n_workers % d == 0 and d <= costs.num_layers)
-    k0 = p.pipeline_length if isinstance(p.pipeline_length, int) else largest
-    forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
-    mode = cache or cache_policy(cfg, deterministic).mode
-    budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
-    if budget is None:
-        planner = CostModelPlanner(n_workers, costs, hw, batch_size=cfg.data.batch_size,
-                                   batch_policy=cfg.batch_policy, schedule=p.schedule,
-                                   initial_pipeline_length=k0, num_microbatches=forced_m,
-                                   cache=mode, optimizer_traffic=traffic)
-        budget = max(planner.stage_memory(planner.initial_plan()))
-    pt = data["runs"]["pt-ray"][0]["timeline"]
-    steps = steps_per_epoch(cfg, num_train, 1)
-    sim = simulate(
-        costs, hw, num_devices=n_workers,
-        dataset_size=steps * cfg.data.batch_size,  # simulate rounds up, the engine drops
-        epochs=len(pt), batch_size=cfg.data.batch_size, batch_policy=cfg.batch_policy,
-        initial_pipeline_length=k0, schedule=p.schedule, frozen=[r["num_frozen"] for r in pt],
-        planner="cost" if p.policy == "cost" else "paper", num_microbatches=forced_m,
-        cache=mode, runtime=PT_RAY, memory_budget=budget, optimizer_traffic=traffic,
-        ablations=False,
-    )
-    plans = lambda run: [[e.num_frozen, e.pipeline_length, e.num_replicas,  # noqa: E731
-                          e.num_microbatches, e.cache] for e in run.epochs]
-    return {
-        "hardware": hw.name, "per_microbatch_overhead_s": hw.per_microbatch_overhead_s,
-        "baseline_train_time_s": sim.baseline.total_time_s,
-        "pt_ray_train_time_s": sim.run.total_time_s,
-        "speedup": sim.speedup,
-        "baseline_plans": plans(sim.baseline),
-        "pt_ray_plans": plans(sim.run),
-        "measured_pt_ray_plans": [list(plan_key(r)) + [bool(r.get("cache_hit_rate"))]
-                                  for r in pt],
-        "plans_match_measured": [p[:4] for p in plans(sim.run)]
-        == [list(plan_key(r)) for r in pt],
-        "measured_cache_hits": any(r.get("cache_hit_rate") for r in pt),
-        "memory_budget_bytes": budget, "cache_mode": mode,
-    }
 
 
 # -- measured figures ---------------------------------------------------------------------------
@@ -540,9 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured", type=Path, required=True, help="compare.py's compare.json")
     parser.add_argument("--out", type=Path, default=None,
                         help="where to write the prediction (default: predict.json beside it)")
-    parser.add_argument("--calibration", choices=["baseline", "microbench"], default="baseline",
-                        help="where the per-micro-batch overhead comes from (default: the "
-                             "baseline arm's first, same-plan epochs)")
     parser.add_argument("--overhead-s", type=float, default=None,
                         help="use this per-micro-batch overhead instead of calibrating")
     parser.add_argument("--profiles", type=int, default=5,
@@ -565,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
     adapter = build_model_for(cfg, splits)
     num_train, num_eval = len(splits.train), len(splits.eval)
-    deterministic = splits.train.deterministic_transform
     traffic = 7.0 if cfg.optimizer.name == "adamw" else 5.0  # costmodel.step_time's doc
     arms = [a for a in data["runs"]]
     cfgs = {a: arm_config(data, cfg, a) for a in arms}
@@ -578,24 +335,18 @@ def main(argv: list[str] | None = None) -> int:
     profile_s = time.perf_counter() - t0
 
     shipped = load_hardware(HARDWARE)
-    # Both calibrations always run (the one not chosen is a cross-check); one is primary.
-    cals: dict[str, dict[str, Any]] = {}
+    # o from the baseline arm's same-plan epochs, or as given; the shipped o is a cross-check.
     o, info = calibrate_from_baseline(data, cfgs["baseline"], costs, shipped, num_train, traffic)
-    cals["baseline"] = {**info, "per_microbatch_overhead_s": o}
-    o, info = calibrate_microbench(cfg, adapter, splits, costs, shipped, traffic)
-    cals["microbench"] = {**info, "per_microbatch_overhead_s": o}
-    primary = args.calibration
+    cals = {"baseline": {**info, "per_microbatch_overhead_s": o}}
+    primary = "baseline"
     if args.overhead_s is not None:
         cals["fixed"] = {"method": "fixed (--overhead-s)",
                          "per_microbatch_overhead_s": args.overhead_s}
         primary = "fixed"
-    for cal in cals.values():
-        cal["shipped_per_microbatch_overhead_s"] = shipped.per_microbatch_overhead_s
     variants = {name: replace(shipped, per_microbatch_overhead_s=cal["per_microbatch_overhead_s"],
                               name=f"{HARDWARE}+{name}")
                 for name, cal in cals.items()}
     variants["shipped"] = shipped
-    hw = variants[primary]
 
     meas = measured(data)
     fixed = fixed_costs(data)
@@ -638,21 +389,6 @@ def main(argv: list[str] | None = None) -> int:
             "wall_time_ratio": wr,
             "wall_time_ratio_error": err(wr, meas["wall_time_ratio"]),
         }
-    table = costs[min(sizes)]
-    e2e = {
-        primary: end_to_end(data, cfg, table, hw, num_train, deterministic, traffic),
-        "shipped": end_to_end(data, cfg, table, shipped, num_train, deterministic, traffic),
-    }
-    if not any(r.get("cache_hit_rate") for run in data["runs"]["pt-ray"] for r in run["timeline"]):
-        # The measured run never read the cache: the same simulation with the cache off.
-        e2e[f"{primary}, cache off"] = end_to_end(data, cfg, table, hw, num_train, deterministic,
-                                                  traffic, cache="off")
-    for v in e2e.values():
-        v["baseline_train_error"] = err(v["baseline_train_time_s"],
-                                        meas["baseline"]["train_time_s"])
-        v["pt_ray_train_error"] = err(v["pt_ray_train_time_s"], meas["pt-ray"]["train_time_s"])
-        v["speedup_error"] = err(v["speedup"], meas["speedup"])
-
     c = preds[primary]
     met = {
         "wall_within_20pct": all(c["arms"][a]["wall_error"] is not None
@@ -681,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
         "fixed_costs": fixed,
         "measured": meas,
         "prediction": preds,
-        "end_to_end": e2e,
         "targets": {"wall": TARGET_WALL, "speedup": TARGET_SPEEDUP},
         "met": met,
     }
@@ -707,11 +442,6 @@ def _cal_line(name: str, cal: dict[str, Any]) -> str:
                 f"(n,K,R,M = {tuple(cal['plan'])}: median of {cal['samples']} measured epochs "
                 f"{cal['target_epoch_time_s']:.3f} s; o = 0 predicts "
                 f"{cal['predicted_epoch_time_at_o0_s']:.3f} s)")
-    if cal["method"] == "microbench":
-        return (f"{o} from a K=1 training step timed in this process, micro-batch "
-                f"{cal['micro_batch']} ({1e3 * cal['measured_step_s']:.2f} ms measured, "
-                f"{1e3 * cal['predicted_step_at_o0_s']:.2f} ms predicted at o = 0; nothing from "
-                f"the measured run)")
     return f"{o} (given with --overhead-s)"
 
 
@@ -741,11 +471,8 @@ def report(res: dict[str, Any]) -> str:
         + ", ".join(f"{t['total_fwd_bwd_ms']:.2f} ms ({s})" for s, t in prof["tables"].items()),
         f"calibration ({primary}, used for every arm): {_cal_line(primary, cals[primary])}",
     ]
-    for name, cal in cals.items():
-        if name != primary:
-            lines.append(f"  cross-check ({name}): {_cal_line(name, cal)}")
-    lines.append(f"  shipped local-cpu: o = "
-                 f"{1e3 * cals[primary]['shipped_per_microbatch_overhead_s']:.3f} ms")
+    shipped_o = res["prediction"]["shipped"]["hardware"]["per_microbatch_overhead_s"]
+    lines.append(f"  shipped {HARDWARE}: o = {1e3 * shipped_o:.3f} ms")
     lines.append(
         f"wall-time constants (MEASURED, medians over all {fx['runs']} runs, arms pooled): "
         f"start-up {_s(fx['startup_s'], 0)} s, teardown {_s(fx['teardown_s'], 0)} s, report "
@@ -804,18 +531,6 @@ def report(res: dict[str, Any]) -> str:
         if name != primary:
             lines.append(_variant_line(f"with o from {name}" if name != "shipped"
                                        else "shipped local-cpu, no calibration", v))
-    for name, v in res["end_to_end"].items():
-        plans = sorted({tuple(p) for p in v["pt_ray_plans"]}, key=lambda p: p[0])
-        lines.append(
-            f"simulate() [{name}, o = {1e3 * v['per_microbatch_overhead_s']:.2f} ms]: baseline "
-            f"{v['baseline_train_time_s']:.1f} s ({_pct(v['baseline_train_error']).strip()}), "
-            f"pt-ray {v['pt_ray_train_time_s']:.1f} s ({_pct(v['pt_ray_train_error']).strip()}), "
-            f"speedup {v['speedup']:.2f}x ({_pct(v['speedup_error']).strip()})")
-        lines.append(
-            "    chose n,K,R,M,cache " + " | ".join(",".join(map(str, p)) for p in plans)
-            + f"; baseline {','.join(map(str, v['baseline_plans'][0]))}; (n,K,R,M) "
-            + ("as measured" if v["plans_match_measured"] else "NOT as measured")
-            + ("" if v["measured_cache_hits"] else "; the measured run read no cache"))
     met = res["met"]
     lines += [
         "",

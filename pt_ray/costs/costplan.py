@@ -35,7 +35,7 @@ from pt_ray.core.plan import (
     too_few_microbatches,
 )
 
-__all__ = ["CostModelPlanner", "cache_break_even"]
+__all__ = ["CostModelPlanner", "cache_break_even", "stage_partition"]
 
 _FIT = 1 + 1e-9
 
@@ -160,19 +160,7 @@ class CostModelPlanner:
                              self.accumulation_steps)
 
     def _partition(self, num_frozen: int, k: int, cache: bool) -> Partition:
-        c = self.costs
-        active = [b.forward_s + b.backward_s for b in c.blocks[num_frozen:]]
-        if num_frozen == 0:
-            first = c.embed.forward_s + c.embed.backward_s
-        elif self.runtime.prefix == "serial":
-            first = 0.0  # the prefix runs before the schedule, not inside stage 0's turns
-        elif cache:
-            first = (c.blocks[num_frozen - 1].activation_bytes * c.samples
-                     / self.runtime.cache_rate(self.hw))
-        else:
-            first = c.embed.forward_s + sum(b.forward_s for b in c.blocks[:num_frozen])
-        return partition(active, k, first_extra=first,
-                         last_extra=c.head.forward_s + c.head.backward_s)
+        return stage_partition(self.costs, num_frozen, k, cache, self.hw, self.runtime)
 
     def stage_memory(self, plan: Plan) -> list[float]:
         """Predicted peak bytes per stage: active parameters with their gradient and optimizer
@@ -328,6 +316,35 @@ class CostModelPlanner:
         # A new N re-plans K from scratch even when not elastic: the old K may not divide it.
         return replace(planner._choose(prev.num_frozen, num_workers),
                        generation=prev.generation + 1)
+
+
+def stage_partition(costs: CostTable, num_frozen: int, k: int, cache: bool, hw: HardwareProfile,
+                    runtime: Runtime = PT_RAY) -> Partition:
+    """The exact partition of the active blocks over K stages as the cost planner weighs them:
+    stage 0 also carries the embedding while it trains, or the frozen prefix's cost per
+    micro-batch (its forward, or a cache read); the last stage carries the head.
+
+    Args:
+        costs: per-layer costs of one micro-batch.
+        num_frozen: n, the frozen prefix.
+        k: K, the pipeline length.
+        cache: stage 0 reads the prefix's output from the cache.
+        hw: the cluster's profile (the cache's read rate).
+        runtime: how the runtime runs the prefix (``serial``: before the schedule, weighing
+            nothing on stage 0).
+    """
+    c = costs
+    active = [b.forward_s + b.backward_s for b in c.blocks[num_frozen:]]
+    if num_frozen == 0:
+        first = c.embed.forward_s + c.embed.backward_s
+    elif runtime.prefix == "serial":
+        first = 0.0  # the prefix runs before the schedule, not inside stage 0's turns
+    elif cache:
+        first = c.blocks[num_frozen - 1].activation_bytes * c.samples / runtime.cache_rate(hw)
+    else:
+        first = c.embed.forward_s + sum(b.forward_s for b in c.blocks[:num_frozen])
+    return partition(active, k, first_extra=first,
+                     last_extra=c.head.forward_s + c.head.backward_s)
 
 
 def cache_break_even(
