@@ -163,6 +163,14 @@ def run_fault(row: str, out: Path, reference: dict) -> dict[str, Any]:
         "run_wall_time_s": result.wall_time_s, "fired": marker.exists() if spec else None,
         "restarts": result.restarts, "resumed_after_epoch": _resumed_after(text),
         "injected": re.findall(r"injecting the .* fault at epoch \d+ step \d+", text),
+        **_outcome(result, reference),
+    }
+
+
+def _outcome(result, reference: dict) -> dict[str, Any]:
+    """What every row records of the finished run: its epochs, its freezes, and how far its
+    final parameters are from the fault-free reference."""
+    return {
         "epochs": [r.epoch for r in result.timeline],
         "num_frozen": [r.num_frozen for r in result.timeline],
         "max_abs_diff": max_difference(result.checkpoint, reference),
@@ -208,11 +216,7 @@ def run_driver_killed(out: Path, reference: dict) -> dict[str, Any]:
         "wall_s": killed_s + resume_s, "killed_after_s": killed_s, "resume_call_s": resume_s,
         "run_wall_time_s": result.wall_time_s, "restarts": result.restarts,
         "resumed_after_epoch": [next_epoch - 1],
-        "epochs": [r.epoch for r in result.timeline],
-        "num_frozen": [r.num_frozen for r in result.timeline],
-        "max_abs_diff": max_difference(result.checkpoint, reference),
-        "checkpoint": str(result.checkpoint),
-        "load_after": os.getloadavg()[0],
+        **_outcome(result, reference),
     }
 
 

@@ -45,7 +45,27 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".tif", ".t
 _PIXELS = ("pixel_values",)
 
 
-class ImageArrayDataset:
+class _TransformedImages:
+    """What both image datasets share: a transform, its epoch, and one sample as a batch of one.
+    Subclasses define ``batch``."""
+
+    input_names = _PIXELS
+    transform: ImageTransform
+
+    def _set_transform(self, transform: ImageTransform) -> None:
+        self.transform = transform
+        self.deterministic_transform = not transform.augment
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's augmented views (no effect without augmentation)."""
+        self.transform.epoch = epoch
+
+    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
+        b = self.batch([index])
+        return index, (b.inputs[0][0],), b.target[0]
+
+
+class ImageArrayDataset(_TransformedImages):
     """Images held in memory as stored (e.g. uint8), transformed batch by batch.
 
     Keeping the stored form (and resizing per batch) bounds memory: CIFAR's 50,000 training
@@ -58,8 +78,6 @@ class ImageArrayDataset:
             non-deterministic.
     """
 
-    input_names = _PIXELS
-
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: ImageTransform):
         if images.ndim != 4 or images.shape[0] != labels.shape[0]:
             raise ValueError(
@@ -68,19 +86,10 @@ class ImageArrayDataset:
             )
         self.images = images
         self.labels = labels
-        self.transform = transform
-        self.deterministic_transform = not transform.augment
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's augmented views (no effect without augmentation)."""
-        self.transform.epoch = epoch
+        self._set_transform(transform)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
-
-    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
-        b = self.batch([index])
-        return index, (b.inputs[0][0],), b.target[0]
 
     def batch(self, indices: Sequence[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.int64)
@@ -88,7 +97,7 @@ class ImageArrayDataset:
         return Batch(idx, (pixels,), self.labels[idx])
 
 
-class ImageFileDataset:
+class ImageFileDataset(_TransformedImages):
     """Image files read when a batch is gathered (for folders too large to hold in memory).
 
     Each image is converted to RGB, its shorter side resized to ``size`` and centre-cropped to
@@ -101,8 +110,6 @@ class ImageFileDataset:
         transform: stored uint8 images -> model inputs.
     """
 
-    input_names = _PIXELS
-
     def __init__(
         self, files: Sequence[Path], labels: torch.Tensor, size: int, transform: ImageTransform
     ) -> None:
@@ -111,12 +118,7 @@ class ImageFileDataset:
         self.files = list(files)
         self.labels = labels
         self.size = size
-        self.transform = transform
-        self.deterministic_transform = not transform.augment
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's augmented views (no effect without augmentation)."""
-        self.transform.epoch = epoch
+        self._set_transform(transform)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -134,10 +136,6 @@ class ImageFileDataset:
             img = img.crop((left, top, left + self.size, top + self.size))
             arr = np.asarray(img, dtype=np.uint8)
         return torch.from_numpy(arr.copy()).permute(2, 0, 1)
-
-    def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
-        b = self.batch([index])
-        return index, (b.inputs[0][0],), b.target[0]
 
     def batch(self, indices: Sequence[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.int64)
