@@ -253,22 +253,7 @@ def step_time(
     if plan.activation_checkpointing:
         costs = costs.with_recompute()
     scale = batch_per_replica / m / costs.samples
-    o = runtime.overhead(hw)
-    fwd, bwd, grads = [], [], []
-    for s in range(k):
-        f = b = p = 0.0
-        for i in plan.stage_blocks(s):
-            c = costs.blocks[i]
-            f, b, p = f + c.forward_s, b + c.backward_s, p + c.param_bytes
-        if s == 0 and n == 0:
-            f, b = f + costs.embed.forward_s, b + costs.embed.backward_s
-            p += costs.embed.param_bytes
-        if s == k - 1:
-            f, b, p = f + costs.head.forward_s, b + costs.head.backward_s, p + costs.head.param_bytes
-        fwd.append(f * scale + o)
-        bwd.append(b * scale + o if b > 0 else 0.0)
-        grads.append(p)
-
+    fwd, bwd, grads = _stage_work(plan, costs, scale, runtime.overhead(hw))
     prefix = _prefix_time(costs, hw, runtime, n, batch_per_replica, plan.cache, cache_state,
                           cached_level)
     ready = [0.0] * k
@@ -276,31 +261,8 @@ def step_time(
         ready[0] = prefix
     else:
         fwd[0] += prefix / m
-
-    # Stage outputs per micro-batch, and the links each replica's pipeline uses.
-    out_bytes = []
-    for s in range(k - 1):
-        last = plan.boundaries[s + 1] - 1
-        out_bytes.append(costs.blocks[last].activation_bytes * batch_per_replica / m)
-    results = {}
-    for rep in range(r):
-        links = tuple(hw.link(plan.rank_of(rep, s), plan.rank_of(rep, s + 1)) for s in range(k - 1))
-        if links not in results:
-            send = [nb / bw + lat for nb, (bw, lat) in zip(out_bytes, links)]
-            results[links] = run_schedule(fwd, bwd, m, plan.schedule, send, send, ready)
-    sched = max(results.values(), key=lambda x: x.makespan_s)
-
-    # Data-parallel groups: one per stage; those crossing nodes share each node's uplink.
-    spans = [len({hw.node_of(plan.rank_of(rep, s)) for rep in range(r)}) > 1 for s in range(k)]
-    sharing = max(1, sum(spans))
-    ar, opt = [], []
-    for s in range(k):
-        if spans[s]:
-            bw, lat = hw.inter_node_bandwidth / sharing, hw.inter_node_latency
-        else:
-            bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
-        ar.append(allreduce_time(grads[s], r, bw, lat))
-        opt.append(grads[s] * optimizer_traffic / hw.memory_bandwidth)
+    sched = _slowest_pipeline(plan, costs, hw, fwd, bwd, ready, batch_per_replica)
+    ar, opt = _reduce_and_update(plan, hw, grads, optimizer_traffic)
     earlier = (passes - 1) * sched.makespan_s  # the passes before the last
     step = earlier + max(sched.stage_end_s[s] + ar[s] + opt[s] for s in range(k))
     return StepBreakdown(
@@ -312,6 +274,65 @@ def step_time(
         bubble_fraction=sched.bubble_fraction,
         samples=batch_per_replica * r * passes,
     )
+
+
+def _stage_work(plan: Plan, costs: CostTable, scale: float, overhead: float
+                ) -> tuple[list[float], list[float], list[float]]:
+    """Per stage: one micro-batch's forward and backward seconds (the overhead included; no
+    backward where nothing trains) and the bytes of the parameters it trains."""
+    k, n = plan.pipeline_length, plan.num_frozen
+    fwd, bwd, grads = [], [], []
+    for s in range(k):
+        f = b = p = 0.0
+        for i in plan.stage_blocks(s):
+            c = costs.blocks[i]
+            f, b, p = f + c.forward_s, b + c.backward_s, p + c.param_bytes
+        if s == 0 and n == 0:
+            f, b = f + costs.embed.forward_s, b + costs.embed.backward_s
+            p += costs.embed.param_bytes
+        if s == k - 1:
+            f, b, p = f + costs.head.forward_s, b + costs.head.backward_s, p + costs.head.param_bytes
+        fwd.append(f * scale + overhead)
+        bwd.append(b * scale + overhead if b > 0 else 0.0)
+        grads.append(p)
+    return fwd, bwd, grads
+
+
+def _slowest_pipeline(plan: Plan, costs: CostTable, hw: HardwareProfile, fwd: list[float],
+                      bwd: list[float], ready: list[float], batch_per_replica: int):
+    """The schedule of the replica whose pipeline is slowest over its links (replicas on the
+    same links share one simulation)."""
+    k, r, m = plan.pipeline_length, plan.num_replicas, plan.num_microbatches
+    # Stage outputs per micro-batch, and the links each replica's pipeline uses.
+    out_bytes = []
+    for s in range(k - 1):
+        last = plan.boundaries[s + 1] - 1
+        out_bytes.append(costs.blocks[last].activation_bytes * batch_per_replica / m)
+    results = {}
+    for rep in range(r):
+        links = tuple(hw.link(plan.rank_of(rep, s), plan.rank_of(rep, s + 1)) for s in range(k - 1))
+        if links not in results:
+            send = [nb / bw + lat for nb, (bw, lat) in zip(out_bytes, links)]
+            results[links] = run_schedule(fwd, bwd, m, plan.schedule, send, send, ready)
+    return max(results.values(), key=lambda x: x.makespan_s)
+
+
+def _reduce_and_update(plan: Plan, hw: HardwareProfile, grads: list[float],
+                       optimizer_traffic: float) -> tuple[list[float], list[float]]:
+    """Per stage: the data-parallel all-reduce of its gradients and its optimizer step."""
+    k, r = plan.pipeline_length, plan.num_replicas
+    # Data-parallel groups: one per stage; those crossing nodes share each node's uplink.
+    spans = [len({hw.node_of(plan.rank_of(rep, s)) for rep in range(r)}) > 1 for s in range(k)]
+    sharing = max(1, sum(spans))
+    ar, opt = [], []
+    for s in range(k):
+        if spans[s]:
+            bw, lat = hw.inter_node_bandwidth / sharing, hw.inter_node_latency
+        else:
+            bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
+        ar.append(allreduce_time(grads[s], r, bw, lat))
+        opt.append(grads[s] * optimizer_traffic / hw.memory_bandwidth)
+    return ar, opt
 
 
 def transition_time(old: Plan, new: Plan, costs: CostTable, hw: HardwareProfile, *,

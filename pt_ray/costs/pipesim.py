@@ -104,17 +104,7 @@ def run_schedule(
     ready = list(stage_ready_s) or [0.0] * k
     if len(send_f) != k - 1 or len(send_b) != k - 1 or len(ready) != k:
         raise ValueError("send times need K-1 entries and ready times K entries")
-    trains = any(b > 0 for b in backward_s)
-    # A stage after the last training stage still owes the loss its backward hand-off; stages
-    # before the first training stage never run a backward.
-    first_trained = next((s for s in range(k) if backward_s[s] > 0), k)
-    orders = []
-    for s in range(k):
-        ops = stage_order(schedule, s, k, num_microbatches)
-        if not trains or s < first_trained:
-            ops = [op for op in ops if op[0] == "F"]
-        orders.append(ops)
-
+    orders = _stage_orders(schedule, backward_s, num_microbatches)
     done: dict[tuple[str, int, int], float] = {}
     free = list(ready)
     start = [None] * k
@@ -126,19 +116,8 @@ def run_schedule(
         for s in range(k):
             while ptr[s] < len(orders[s]):
                 kind, mb = orders[s][ptr[s]]
-                if kind == "F":
-                    dep = 0.0 if s == 0 else done.get(("F", mb, s - 1))
-                    if dep is not None and s > 0:
-                        dep += send_f[s - 1]
-                    dur = forward_s[s]
-                else:
-                    if s == k - 1:
-                        dep = done.get(("F", mb, s))
-                    else:
-                        dep = done.get(("B", mb, s + 1))
-                        if dep is not None:
-                            dep += send_b[s]
-                    dur = backward_s[s]
+                dep = _inputs_ready(kind, mb, s, k, done, send_f, send_b)
+                dur = forward_s[s] if kind == "F" else backward_s[s]
                 if dep is None:
                     break
                 t0 = max(free[s], dep)
@@ -158,3 +137,35 @@ def run_schedule(
         stage_busy_s=tuple(busy),
         stage_start_s=tuple(0.0 if t is None else t for t in start),
     )
+
+
+def _stage_orders(schedule: Literal["gpipe", "1f1b"], backward_s: Sequence[float],
+                  num_microbatches: int) -> list[list[Op]]:
+    """Each stage's operations in order; forwards only where no backward reaches the stage."""
+    k = len(backward_s)
+    trains = any(b > 0 for b in backward_s)
+    # A stage after the last training stage still owes the loss its backward hand-off; stages
+    # before the first training stage never run a backward.
+    first_trained = next((s for s in range(k) if backward_s[s] > 0), k)
+    orders = []
+    for s in range(k):
+        ops = stage_order(schedule, s, k, num_microbatches)
+        if not trains or s < first_trained:
+            ops = [op for op in ops if op[0] == "F"]
+        orders.append(ops)
+    return orders
+
+
+def _inputs_ready(kind: str, mb: int, s: int, k: int, done: dict[tuple[str, int, int], float],
+                  send_f: Sequence[float], send_b: Sequence[float]) -> float | None:
+    """When operation ``kind`` of micro-batch ``mb`` on stage ``s`` has its input (the previous
+    stage's activation or the next stage's gradient, sent); None: not produced yet."""
+    if kind == "F":
+        if s == 0:
+            return 0.0
+        dep = done.get(("F", mb, s - 1))
+        return None if dep is None else dep + send_f[s - 1]
+    if s == k - 1:
+        return done.get(("F", mb, s))
+    dep = done.get(("B", mb, s + 1))
+    return None if dep is None else dep + send_b[s]

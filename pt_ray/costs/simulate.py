@@ -267,18 +267,8 @@ def simulate(
     if batch_policy == "fixed_global" and batch_size % num_devices:
         raise ValueError(f"batch_size={batch_size} is not divisible by num_devices={num_devices}; "
                          f"with batch_policy=fixed_global every replica takes an equal share")
-    if frozen is not None:
-        timeline = [min(int(n), layers) for n in frozen][:epochs]
-        if len(timeline) < epochs or any(b < a for a, b in zip(timeline, timeline[1:])):
-            raise ValueError(f"frozen={list(frozen)} must give a non-decreasing n for each of "
-                             f"{epochs} epochs")
-    else:
-        if freeze_policy == "paper" and not grad_norms:
-            raise ValueError("freeze_policy='paper' needs a gradient-norm trace (grad_norms); "
-                             "use freeze_policy='schedule' or pass the norms")
-        policy = build_freeze_policy(freeze_policy, num_layers=layers, alpha=alpha,
-                                     max_frozen=max_frozen)
-        timeline = frozen_timeline(policy, epochs, grad_norms)
+    timeline = _freeze_timeline(layers, epochs, frozen, freeze_policy, alpha, max_frozen,
+                                grad_norms)
     common = dict(batch_size=batch_size, batch_policy=batch_policy, schedule=schedule,
                   initial_pipeline_length=initial_pipeline_length,
                   num_microbatches=num_microbatches, memory_budget=memory_budget,
@@ -311,6 +301,25 @@ def simulate(
         ablations={k: v for k, v in runs.items() if k not in ("all", "baseline")},
         settings=settings,
     )
+
+
+def _freeze_timeline(layers: int, epochs: int, frozen: Sequence[int] | None,
+                     freeze_policy: Literal["schedule", "paper"], alpha: float,
+                     max_frozen: int | None, grad_norms: Sequence[Mapping[int, float]]
+                     ) -> list[int]:
+    """Step 1 of :func:`simulate`: n per epoch, given (``frozen``) or from the freeze policy."""
+    if frozen is not None:
+        timeline = [min(int(n), layers) for n in frozen][:epochs]
+        if len(timeline) < epochs or any(b < a for a, b in zip(timeline, timeline[1:])):
+            raise ValueError(f"frozen={list(frozen)} must give a non-decreasing n for each of "
+                             f"{epochs} epochs")
+        return timeline
+    if freeze_policy == "paper" and not grad_norms:
+        raise ValueError("freeze_policy='paper' needs a gradient-norm trace (grad_norms); "
+                         "use freeze_policy='schedule' or pass the norms")
+    policy = build_freeze_policy(freeze_policy, num_layers=layers, alpha=alpha,
+                                 max_frozen=max_frozen)
+    return frozen_timeline(policy, epochs, grad_norms)
 
 
 def _run(name: str, timeline: Sequence[int], planner, costs: CostTable, hw: HardwareProfile,
