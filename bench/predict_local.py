@@ -293,10 +293,68 @@ def err(pred: float | None, meas: float | None) -> float | None:
     return (pred - meas) / meas
 
 
+def predict_arm(runs_measured: list[dict[str, Any]], cfg: RunConfig, costs, hw, num_train: int,
+                num_eval: int, traffic: float, fixed: dict[str, Any], m: dict[str, Any]
+                ) -> dict[str, Any]:
+    """One arm's repeats predicted from their own timelines, with the errors against ``m``."""
+    runs = []
+    for run in runs_measured:
+        epochs = predict_timeline(run["timeline"], cfg, costs, hw, num_train, num_eval, traffic)
+        runs.append({"train_time_s": train_time(epochs),
+                     "eval_time_s": sum(e["eval_time_s"] for e in epochs),
+                     "wall_time_s": predict_wall(epochs, fixed), "epochs": epochs})
+    arm = {
+        "train_time_s": _med([r["train_time_s"] for r in runs]),
+        "eval_time_s": _med([r["eval_time_s"] for r in runs]),
+        "wall_time_s": (_med([r["wall_time_s"] for r in runs])
+                        if runs[0]["wall_time_s"] is not None else None),
+        "runs": runs,
+    }
+    arm["train_error"] = err(arm["train_time_s"], m["train_time_s"])
+    arm["train_error_per_repeat"] = [
+        err(r["train_time_s"], x) for r, x in zip(runs, m["train_time_per_repeat_s"])]
+    arm["train_error_vs_best_epochs"] = err(arm["train_time_s"], m["train_time_best_epochs_s"])
+    arm["wall_error"] = err(arm["wall_time_s"], m["wall_time_s"])
+    return arm
+
+
+def predict_variant(data, cfgs, costs, hw, num_train, num_eval, traffic, fixed, meas
+                    ) -> dict[str, Any]:
+    """Every arm under one hardware profile, and the predicted speedup and wall-time ratio."""
+    per_arm = {arm: predict_arm(data["runs"][arm], cfgs[arm], costs, hw, num_train, num_eval,
+                                traffic, fixed, meas[arm])
+               for arm in data["runs"]}
+    sp = _med([b["train_time_s"] / p["train_time_s"]
+               for b, p in zip(per_arm["baseline"]["runs"], per_arm["pt-ray"]["runs"])])
+    wr = None
+    if per_arm["baseline"]["wall_time_s"] is not None:
+        wr = per_arm["baseline"]["wall_time_s"] / per_arm["pt-ray"]["wall_time_s"]
+    return {
+        "hardware": asdict(hw) | {"description": None},
+        "arms": per_arm,
+        "speedup": sp,
+        "speedup_error": err(sp, meas["speedup"]),
+        "speedup_error_vs_best_epochs": err(sp, meas["speedup_best_epochs"]),
+        "wall_time_ratio": wr,
+        "wall_time_ratio_error": err(wr, meas["wall_time_ratio"]),
+    }
+
+
+def targets_met(c: dict[str, Any]) -> dict[str, bool]:
+    return {
+        "wall_within_20pct": all(c["arms"][a]["wall_error"] is not None
+                                 and abs(c["arms"][a]["wall_error"]) <= TARGET_WALL
+                                 for a in ("baseline", "pt-ray")),
+        "train_within_20pct": all(abs(c["arms"][a]["train_error"]) <= TARGET_WALL
+                                  for a in ("baseline", "pt-ray")),
+        "speedup_within_15pct": abs(c["speedup_error"]) <= TARGET_SPEEDUP,
+    }
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--measured", type=Path, required=True, help="compare.py's compare.json")
     parser.add_argument("--out", type=Path, default=None,
@@ -307,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="profiles per micro-batch size, median-merged (default: 5)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed repetitions per layer in each profile (default: 5)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     data = json.loads(args.measured.read_text())
     for arm in ("baseline", "pt-ray"):
         if arm not in data.get("runs", {}):
@@ -350,54 +411,10 @@ def main(argv: list[str] | None = None) -> int:
 
     meas = measured(data)
     fixed = fixed_costs(data)
-    preds: dict[str, Any] = {}
-    for variant, h in variants.items():
-        per_arm = {}
-        for arm in arms:
-            runs = []
-            for run in data["runs"][arm]:
-                epochs = predict_timeline(run["timeline"], cfgs[arm], costs, h, num_train,
-                                          num_eval, traffic)
-                runs.append({"train_time_s": train_time(epochs),
-                             "eval_time_s": sum(e["eval_time_s"] for e in epochs),
-                             "wall_time_s": predict_wall(epochs, fixed), "epochs": epochs})
-            per_arm[arm] = {
-                "train_time_s": _med([r["train_time_s"] for r in runs]),
-                "eval_time_s": _med([r["eval_time_s"] for r in runs]),
-                "wall_time_s": (_med([r["wall_time_s"] for r in runs])
-                                if runs[0]["wall_time_s"] is not None else None),
-                "runs": runs,
-            }
-            m = meas[arm]
-            per_arm[arm]["train_error"] = err(per_arm[arm]["train_time_s"], m["train_time_s"])
-            per_arm[arm]["train_error_per_repeat"] = [
-                err(r["train_time_s"], x) for r, x in zip(runs, m["train_time_per_repeat_s"])]
-            per_arm[arm]["train_error_vs_best_epochs"] = err(per_arm[arm]["train_time_s"],
-                                                             m["train_time_best_epochs_s"])
-            per_arm[arm]["wall_error"] = err(per_arm[arm]["wall_time_s"], m["wall_time_s"])
-        sp = _med([b["train_time_s"] / p["train_time_s"]
-                   for b, p in zip(per_arm["baseline"]["runs"], per_arm["pt-ray"]["runs"])])
-        wr = None
-        if per_arm["baseline"]["wall_time_s"] is not None:
-            wr = per_arm["baseline"]["wall_time_s"] / per_arm["pt-ray"]["wall_time_s"]
-        preds[variant] = {
-            "hardware": asdict(h) | {"description": None},
-            "arms": per_arm,
-            "speedup": sp,
-            "speedup_error": err(sp, meas["speedup"]),
-            "speedup_error_vs_best_epochs": err(sp, meas["speedup_best_epochs"]),
-            "wall_time_ratio": wr,
-            "wall_time_ratio_error": err(wr, meas["wall_time_ratio"]),
-        }
-    c = preds[primary]
-    met = {
-        "wall_within_20pct": all(c["arms"][a]["wall_error"] is not None
-                                 and abs(c["arms"][a]["wall_error"]) <= TARGET_WALL
-                                 for a in ("baseline", "pt-ray")),
-        "train_within_20pct": all(abs(c["arms"][a]["train_error"]) <= TARGET_WALL
-                                  for a in ("baseline", "pt-ray")),
-        "speedup_within_15pct": abs(c["speedup_error"]) <= TARGET_SPEEDUP,
-    }
+    preds = {variant: predict_variant(data, cfgs, costs, h, num_train, num_eval, traffic,
+                                      fixed, meas)
+             for variant, h in variants.items()}
+    met = targets_met(preds[primary])
     result = {
         "measured_json": str(args.measured),
         "measured_command": data.get("command"),
@@ -453,6 +470,22 @@ def _variant_line(label: str, v: dict[str, Any]) -> str:
             f"speedup {v['speedup']:.2f}x ({_pct(v['speedup_error']).strip()}); wall "
             f"{_pct(a['baseline']['wall_error']).strip()}, "
             f"{_pct(a['pt-ray']['wall_error']).strip()}")
+
+
+def per_plan_lines(epochs: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct (n, K, R, M): its predicted step and epoch against the measured."""
+    groups: dict[tuple, list] = {}
+    for e in epochs:
+        groups.setdefault((e["num_frozen"], e["pipeline_length"], e["num_replicas"],
+                           e["num_microbatches"]), []).append(e)
+    lines = []
+    for key, es in groups.items():
+        pm = _med([e["measured_epoch_time_s"] for e in es])
+        lines.append(f"  n={key[0]} K={key[1]} R={key[2]} M={key[3]} ({len(es):>2} epochs, "
+                     f"stages {es[0]['boundaries']}): step {1e3 * es[0]['step_time_s']:.2f} ms, "
+                     f"epoch {es[0]['epoch_time_s']:.3f} s vs median {pm:.3f} s "
+                     f"({_pct(err(es[0]['epoch_time_s'], pm)).strip()})")
+    return lines
 
 
 def report(res: dict[str, Any]) -> str:
@@ -515,17 +548,7 @@ def report(res: dict[str, Any]) -> str:
         "",
         "per plan (pt-ray, repeat 0): predicted vs measured epoch",
     ]
-    ep = c["arms"]["pt-ray"]["runs"][0]["epochs"]
-    groups: dict[tuple, list] = {}
-    for e in ep:
-        groups.setdefault((e["num_frozen"], e["pipeline_length"], e["num_replicas"],
-                           e["num_microbatches"]), []).append(e)
-    for key, es in groups.items():
-        pm = _med([e["measured_epoch_time_s"] for e in es])
-        lines.append(f"  n={key[0]} K={key[1]} R={key[2]} M={key[3]} ({len(es):>2} epochs, "
-                     f"stages {es[0]['boundaries']}): step {1e3 * es[0]['step_time_s']:.2f} ms, "
-                     f"epoch {es[0]['epoch_time_s']:.3f} s vs median {pm:.3f} s "
-                     f"({_pct(err(es[0]['epoch_time_s'], pm)).strip()})")
+    lines += per_plan_lines(c["arms"]["pt-ray"]["runs"][0]["epochs"])
     lines.append("")
     for name, v in res["prediction"].items():
         if name != primary:
