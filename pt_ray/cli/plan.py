@@ -196,8 +196,9 @@ def _table(result: SimulationResult, shape, hw) -> str:
     ]
     if result.ablations:
         lines += ["", "ablations (speedup over the baseline):"]
+        speedups = result.speedups()
         for run in (*result.ablations.values(), result.run):
-            lines.append(f"  {run.label:<40} {result.baseline.total_time_s / run.total_time_s:5.2f}x"
+            lines.append(f"  {run.label:<40} {speedups[run.name]:5.2f}x"
                          f"  {_hms(run.total_time_s):>8}")
     return "\n".join(lines)
 

@@ -131,9 +131,11 @@ class SimulationResult:
         return {r.name: self.baseline.total_time_s / r.total_time_s for r in runs}
 
     def to_dict(self) -> dict[str, Any]:
+        speedups = self.speedups()
+
         def run(r: RunPrediction) -> dict[str, Any]:
             return {"name": r.name, "label": r.label, "total_time_s": r.total_time_s,
-                    "speedup": self.baseline.total_time_s / r.total_time_s,
+                    "speedup": speedups[r.name],
                     "epochs": [asdict(e) for e in r.epochs]}
 
         return {"settings": self.settings, "speedup": self.speedup, "run": run(self.run),
