@@ -220,7 +220,8 @@ def fit(
             same error ends a run whose workers Ray Train itself gave up placing (each try
             bounded by ``pipeline.placement_timeout_s``), once ``config.yaml`` is written.
             With ``resume_from``: the folder holds no run that can resume (see
-            :func:`pt_ray.runtime.resume.resume_point`), or ``config`` or ``output_dir`` was given too.
+            :func:`pt_ray.runtime.resume.resume_point`), or ``config`` or ``output_dir`` was
+            given too.
     """
     cfg, run_dir, resumed = _run_folder(config, resume_from, overrides, output_dir)
     check_output_dir(run_dir)

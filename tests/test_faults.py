@@ -1,5 +1,5 @@
-"""Faults at the worst moments, injected by name (``pt_ray.runtime.faults``): each run either recovers
-to the state a fault-free run reaches (the reference trainer's parameters, within 1e-4) or
+"""Faults at the worst moments, injected by name (``pt_ray.runtime.faults``): each run either
+recovers to the state a fault-free run reaches (the reference trainer's parameters, within 1e-4) or
 stops with a clear error, and none can wait forever."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 timm models become a safetensors state dict plus their ``timm.create_model`` arguments; Hugging
 Face models a ``save_pretrained`` folder. Either loads without pt-ray (see the README.txt written
-beside it). The work is :func:`pt_ray.runtime.export.export_run`'s; this module imports no torch until
-the command runs.
+beside it). The work is :func:`pt_ray.runtime.export.export_run`'s; this module imports no torch
+until the command runs.
 """
 
 from __future__ import annotations

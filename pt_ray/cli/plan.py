@@ -1,8 +1,8 @@
 """``pt-ray plan``: predict a run on a cluster, epoch by epoch, before paying for it.
 
 Pure module (argparse and the cost model; no torch, no ray). Builds analytic costs for a known
-model shape on a hardware profile, runs :func:`pt_ray.costs.simulate.simulate`, and prints a per-epoch
-table, the predicted total against the no-freeze baseline, and the paper's ablations.
+model shape on a hardware profile, runs :func:`pt_ray.costs.simulate.simulate`, and prints a
+per-epoch table, the predicted total against the no-freeze baseline, and the paper's ablations.
 """
 
 from __future__ import annotations

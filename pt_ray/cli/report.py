@@ -1,7 +1,7 @@
 """``pt-ray report RUN_DIR``: a finished run's timeline as a PNG and a per-epoch table.
 
-No torch, no Ray: reads the run's ``summary.json`` (see :mod:`pt_ray.reporting.summary`), so it works on a
-run folder copied off a cluster.
+No torch, no Ray: reads the run's ``summary.json`` (see :mod:`pt_ray.reporting.summary`), so it
+works on a run folder copied off a cluster.
 """
 
 from __future__ import annotations

@@ -381,8 +381,8 @@ class LoggingConfig(_Section):
     rate, the epoch, the step and the frozen blocks; with ``tensorboard``, as live TensorBoard
     scalars, and on the Ray engine through ``ray.train.report`` on every rank (skipped where
     Ray Train could not collect it without making training wait: see
-    :class:`pt_ray.reporting.steplog.StepReporter`). Costs one host read of the loss and one all-reduce
-    of two numbers per report; 0: off."""
+    :class:`pt_ray.reporting.steplog.StepReporter`). Costs one host read of the loss and one
+    all-reduce of two numbers per report; 0: off."""
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     """Per-epoch progress on rank 0: ``bar`` redraws in place, ``lines`` writes a line per
     quarter of a long epoch, ``auto``: a bar on a terminal, lines elsewhere; ``off``: none."""

@@ -2,8 +2,8 @@
 Plan on a cluster (:mod:`pt_ray.costs.hwprofile`, re-exported here).
 
 Pure module (stdlib). A step of one replica is simulated event by event
-(:mod:`pt_ray.costs.pipesim`), so the bubble, stage imbalance and transfer delays all emerge from the
-schedule; then each stage's data-parallel group all-reduces its gradients and steps its
+(:mod:`pt_ray.costs.pipesim`), so the bubble, stage imbalance and transfer delays all emerge from
+the schedule; then each stage's data-parallel group all-reduces its gradients and steps its
 optimizer:
 
 1. stage ``k`` per micro-batch: forward (and backward, if it trains anything) of its blocks, the

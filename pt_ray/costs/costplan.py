@@ -45,7 +45,8 @@ class CostModelPlanner:
 
     Args:
         num_workers: N, devices in use.
-        costs: per-layer costs in seconds (profiled, or :func:`pt_ray.costs.costmodel.analytic_costs`).
+        costs: per-layer costs in seconds (profiled, or
+            :func:`pt_ray.costs.costmodel.analytic_costs`).
         hw: the cluster's profile (links, overheads, memory, cache bandwidth).
         batch_size: ``data.batch_size``.
         batch_policy: ``fixed_global`` (each replica takes B / R) or ``per_replica`` (each B).

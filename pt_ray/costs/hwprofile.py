@@ -1,8 +1,8 @@
 """Hardware profiles: what the cost model knows about a cluster, the shipped YAML profiles, and
 calibration of a profile's efficiency against measurements.
 
-Pure module (stdlib, yaml). Profiles live in ``pt_ray/costs/hardware/*.yaml``; each documents where its
-numbers come from (spec sheets, or a fit to measurements).
+Pure module (stdlib, yaml). Profiles live in ``pt_ray/costs/hardware/*.yaml``; each documents where
+its numbers come from (spec sheets, or a fit to measurements).
 """
 
 from __future__ import annotations

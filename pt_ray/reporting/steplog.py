@@ -14,8 +14,9 @@ The tags (the global step is the scalar's step):
 - ``step/num_frozen``: frozen blocks during the step;
 - ``step/epoch``: the step's epoch, from 1 as in the per-epoch lines.
 
-The end-of-run timeline (:mod:`pt_ray.reporting.tensorboard`) writes its own event file into the same
-folder under other tags (``train/loss``, ... at epoch steps); TensorBoard reads both as one run.
+The end-of-run timeline (:mod:`pt_ray.reporting.tensorboard`) writes its own event file into the
+same folder under other tags (``train/loss``, ... at epoch steps); TensorBoard reads both as one
+run.
 """
 
 from __future__ import annotations
