@@ -25,10 +25,12 @@ def modules_in(folder: str) -> list[Path]:
     return files
 
 
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
+    """Modules ``path`` imports; ``top_level_only``: those imported at import time (module-level
+    statements, not those inside functions)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names = set()
-    for node in ast.walk(tree):
+    for node in tree.body if top_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -38,18 +40,6 @@ def imported_modules(path: Path) -> set[str]:
 
 def offending(names: set[str], banned: tuple[str, ...]) -> set[str]:
     return {n for n in names if any(n == b or n.startswith(b + ".") for b in banned)}
-
-
-def top_level_imports(path: Path) -> set[str]:
-    """Modules imported at import time: module-level statements, not those inside functions."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names = set()
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
 
 
 def test_package_root_holds_only_the_api_and_the_layer_folders():
@@ -76,15 +66,22 @@ def test_torch_runtime_has_no_ray(folder):
 @pytest.mark.parametrize("folder", ENTRY)
 def test_command_line_loads_torch_and_ray_only_when_a_command_needs_them(folder):
     for path in modules_in(folder):
-        assert not offending(top_level_imports(path), ("ray", "torch", "pt_ray.service",
-                                                       "pt_ray.runtime", "pt_ray.models",
-                                                       "pt_ray.data")), path
+        at_import = imported_modules(path, top_level_only=True)
+        assert not offending(at_import, ("ray", "torch", "pt_ray.service", "pt_ray.runtime",
+                                         "pt_ray.models", "pt_ray.data")), path
 
 
 def test_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch.distributed as dist\nfrom ray import train\n")
     assert offending(imported_modules(bad), ("ray", "torch")) == {"torch.distributed", "ray"}
+
+
+def test_checker_tells_import_time_from_call_time(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("import argparse\n\ndef run():\n    import ray\n")
+    assert imported_modules(lazy, top_level_only=True) == {"argparse"}
+    assert imported_modules(lazy) == {"argparse", "ray"}
 
 
 # torch.distributed calls that move tensors or objects: only pt_ray/runtime/comm.py makes them,
