@@ -106,13 +106,13 @@ class ElasticWorker:
         on_step: called as ``on_step(epoch, step)`` before every training step (progress
             reporting, fault injection in tests).
         on_step_report: with ``logging.every_steps`` N > 0, called on every rank with the
-            :class:`~pt_ray.reporting.steplog.StepRecord` of every N-th step of the run; give it on every
-            rank or on none (each report reduces the step's loss over WORLD).
+            :class:`~pt_ray.reporting.steplog.StepRecord` of every N-th step of the run; give
+            it on every rank or on none (each report reduces the step's loss over WORLD).
         store: the activation cache's store (None: the frozen prefix is always recomputed,
             whatever the plans say).
         comm: the run's communication (default: built for ``device`` over WORLD).
-        fault: the fault this rank injects in tests (:mod:`pt_ray.runtime.faults`): the engine reaches
-            the ``migration`` and ``checkpoint`` points.
+        fault: the fault this rank injects in tests (:mod:`pt_ray.runtime.faults`): the engine
+            reaches the ``migration`` and ``checkpoint`` points.
     """
 
     def __init__(
