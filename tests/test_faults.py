@@ -127,15 +127,9 @@ def _record(epoch: int, num_layers: int = 4):
                        train_loss=1.0 / (epoch + 1), eval_metric=0.5, eval_time_s=0.0)
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(120)
-def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_checkpoint(
-        ray_cluster, tmp_path):
-    # The race a worker can lose: Ray restarts a killed controller before the worker's next
-    # call, so the epoch's record and norms reach an actor that holds no state yet. They must
-    # read as a lost controller (restore, then send again), never as an error of the run.
-    import time as _time
-
+def _controller_after_epoch_0(tmp_path, name: str):
+    """A controller set up for 4 blocks on 1 rank, epoch 0 recorded, and the checkpoint a
+    worker writes after it (taken at decision 1's start) in the run's storage folder."""
     import ray
 
     from pt_ray.core.plan import CostTable
@@ -143,7 +137,7 @@ def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_check
     from pt_ray.service.controller import ControllerActor, RayController, controller_name
 
     cfg = tiny_config(tmp_path, pipeline={"num_workers": 1, "policy": "paper"})
-    name = controller_name(f"restart-{tmp_path.name}")
+    name = controller_name(f"{name}-{tmp_path.name}")
     actor = ControllerActor.options(name=name, max_restarts=1).remote(
         cfg.model_dump(mode="json"), str(tmp_path / "ray"))
     handle = RayController(name, timeout_s=60)
@@ -153,26 +147,75 @@ def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_check
     handle.record(0, _record(0))
     handle.submit_norms(0, 0, {b: 1.0 for b in range(4)})
     handle.plan_for(1)
-    # The checkpoint a worker writes after epoch 0: taken at decision 1's start.
     write_meta(tmp_path / "ray" / "checkpoint_2026-12-01_00-00-00.000000",
                {"epoch": 0, "next_decision": 1, "num_shards": 0,
                 "controller": handle.state_dict()})
+    return actor, handle
+
+
+def _kill_and_wait_until_empty(actor) -> None:
+    """Kill the controller and wait until Ray has restarted it, empty (``ray.kill`` returns
+    before the actor dies, so the old actor may answer a moment longer)."""
+    import time as _time
+
+    import ray
 
     ray.kill(actor, no_restart=False)
     deadline = _time.monotonic() + 60
-    while True:  # until the restarted actor answers, empty (the kill itself takes a moment)
+    while True:
         try:
             if ray.get(actor.timeline.remote(), timeout=5) == []:
-                break
+                return
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
         assert _time.monotonic() < deadline, "the controller did not come back empty"
         _time.sleep(0.2)
 
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_checkpoint(
+        ray_cluster, tmp_path):
+    # The race a worker can lose: Ray restarts a killed controller before the worker's next
+    # call, so the epoch's record and norms reach an actor that holds no state yet. They must
+    # read as a lost controller (restore, then send again), never as an error of the run.
+    import ray
+
+    actor, handle = _controller_after_epoch_0(tmp_path, "restart")
+    _kill_and_wait_until_empty(actor)
     handle.record(0, _record(1))
     handle.submit_norms(1, 0, {b: 0.5 for b in range(4)})
     assert handle.plan_for(2) is not None
     timeline = ray.get(actor.timeline.remote())
     assert [r.epoch for r in timeline] == [0, 1]
     assert timeline[1].train_loss == 0.5
+    ray.kill(actor)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_checkpoints_controller_state_asked_ahead_survives_a_lost_controller(
+        ray_cluster, tmp_path):
+    # Rank 0 asks for the state a checkpoint saves before writing its shard, and collects it
+    # after: the same state as plan_for and state_dict give, and when the controller was lost
+    # in between, the state restored from the checkpoint with the epoch's record and norms
+    # sent again.
+    import ray
+
+    actor, handle = _controller_after_epoch_0(tmp_path, "ahead")
+    handle.send_checkpoint_state(1)
+    assert handle.checkpoint_state(1) == handle.state_dict()
+    handle.record(0, _record(1))
+    handle.submit_norms(1, 0, {b: 0.5 for b in range(4)})
+    _kill_and_wait_until_empty(actor)
+    handle.send_checkpoint_state(2)
+    state = handle.checkpoint_state(2)
+    assert state == handle.state_dict()
+    timeline = ray.get(actor.timeline.remote())
+    assert [r.epoch for r in timeline] == [0, 1] and timeline[1].train_loss == 0.5
+    assert handle.plan_for(2) is not None
+    # Not asked ahead, or asked ahead for another decision: a plain round trip.
+    assert handle.checkpoint_state(2) == state
+    handle.send_checkpoint_state(1)
+    assert handle.checkpoint_state(2) == state
     ray.kill(actor)

@@ -166,6 +166,12 @@ class ControllerActor:
     async def state_dict(self) -> dict[str, Any]:
         return self._state().state_dict()
 
+    async def checkpoint_state(self, decision: int) -> dict[str, Any]:
+        """The state a checkpoint saves, once ``decision`` is made (every rank's norms are
+        in): :meth:`plan_for` and :meth:`state_dict` in one round trip."""
+        await self.plan_for(decision)
+        return self._state().state_dict()
+
     async def resume(self, state: dict[str, Any], next_decision: int,
                      restart: bool = True) -> Plan:
         """Roll back to a checkpoint (rank 0 calls it): after a worker-group restart, or, with
@@ -218,6 +224,8 @@ class RayController:
         # Rank 0's record, sent without waiting: its norms follow at once and both answers
         # are awaited together (one round trip at the epoch's end instead of two).
         self._pending: list[ray.ObjectRef] = []
+        # A checkpoint's controller state, asked for ahead (see send_checkpoint_state).
+        self._early: tuple[int, ray.ObjectRef] | None = None
 
     def _settle(self) -> None:
         """Wait for the calls sent without waiting, in the order sent; a lost controller
@@ -300,6 +308,29 @@ class RayController:
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
+
+    def send_checkpoint_state(self, decision: int) -> None:
+        """Ask now for what :meth:`checkpoint_state` will return, so that the round trip (and
+        the wait for the other ranks' norms) overlaps the caller's writing of its shard."""
+        self._settle()
+        self._early = (decision, self.actor.checkpoint_state.remote(decision))
+
+    def checkpoint_state(self, decision: int) -> dict[str, Any]:
+        """The controller's state once ``decision`` is made: what a checkpoint saves with the
+        shards (the answer asked for by :meth:`send_checkpoint_state`, if it was)."""
+        early, self._early = self._early, None
+        state = None
+        if early is not None and early[0] == decision:
+            try:
+                state = ray.get(early[1], timeout=self.timeout_s)
+            except _LOST as err:
+                logger.warning("controller lost during checkpoint_state (%s); waiting for it "
+                               "to come back", type(err).__name__)
+                self._recover()
+        if state is None:
+            state = self._call("checkpoint_state", decision)
+        self._decision = decision
+        return state
 
     def startup(self, figures: dict[str, float]) -> None:
         """Note where rank 0's start-up went: ``entered_at`` (when the worker function began,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -211,14 +212,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ray.train.report(metrics)  # a barrier too: every rank reports
             continue
         nxt = worker.resume_decision()
-        with tempfile.TemporaryDirectory() as tmp:
-            worker.save_shard(Path(tmp))
+        # Ray Train copies the folder into the run's storage in the background and then
+        # deletes it, while the next epoch trains (a barrier still names it on every rank).
+        tmp = Path(tempfile.mkdtemp(prefix="pt-ray-checkpoint-"))
+        try:
+            if rank == 0:  # answered once every rank's norms are in: the decision is made
+                controller.send_checkpoint_state(nxt)
+            worker.save_shard(tmp)
             if rank == 0:
-                controller.plan_for(nxt)  # every rank's norms are in: the decision is made
                 # The state saved is the one epoch `epoch` starts from.
-                write_meta(Path(tmp), {**worker.checkpoint_meta(epoch - 1),
-                                       "next_decision": nxt,
-                                       "controller": controller.state_dict()})
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                write_meta(tmp, {**worker.checkpoint_meta(epoch - 1), "next_decision": nxt,
+                                 "controller": controller.checkpoint_state(nxt)})
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
     steps.close()
     worker.close()
