@@ -196,7 +196,7 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
     fitting the peer's ``TorchTrainer``); ``wall_time_s`` is pt-ray's own run wall time (after
     its driver-side checks, before its summary) or the peer's ``TorchTrainer.fit()``.
     """
-    name = f"{arm}-{repeat}"
+    name = f"{arm}-{repeat}" if repeat >= 0 else f"{arm}-warmup"
     ovr = [*overrides, *ARM_OVERRIDES[arm], f"name=bench-{name}"]
     if arm == "baseline":
         # The paper's baseline is one pipeline over all N workers (pt-ray itself starts at the
@@ -253,6 +253,23 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
     return rec
 
 
+def warm_up(arms: list[str], config: Any, overrides: list[str], out: Path) -> dict[str, dict]:
+    """Run every arm once, short and unmeasured, before the measured repeats.
+
+    The first run in a fresh cluster and driver pays what later runs do not: Ray's first worker
+    processes for the job and the driver's first imports (pt-ray's preflight imports timm). With
+    abba order the first arm would carry it alone. Returns each arm's start-up parts and
+    whole-call time from its warm-up, as the cold start a first run in a fresh process sees.
+    """
+    cold = {}
+    for arm in arms:
+        rec = run_arm(arm, -1, config, overrides, out / "warmup", keep_checkpoints=False)
+        cold[arm] = {"fit_call_s": rec["fit_call_s"], "startup": rec["startup"],
+                     "startup_s": rec["overhead_split"].get("startup_s")}
+    shutil.rmtree(out / "warmup", ignore_errors=True)
+    return cold
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -301,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=None, metavar="A,B,...",
                         help=f"run exactly these arms (of {', '.join(ARM_OVERRIDES)}), in the "
                              "order above; overrides the other arm switches")
+    parser.add_argument("--warmup", type=int, default=1, metavar="EPOCHS",
+                        help="before the measured runs, run every arm once for this many "
+                             "epochs, unmeasured (0: none), so that the cluster's first worker "
+                             "processes and the driver's first imports (timm's, about 1-2 s) "
+                             "fall on no arm's figures; their start-up parts are printed and "
+                             "saved as the cold start (default: 1)")
     parser.add_argument("--object-store-mb", type=int, default=512,
                         help="object store of the benchmark's Ray cluster, MiB (default: 512)")
     parser.add_argument("--label", default=None,
@@ -318,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be 0 (none) or a number of epochs")
 
     overrides = list(args.overrides)
     if args.epochs is not None:
@@ -350,9 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         import pt_ray.service.trainer  # noqa: F401  (imports paid here, not by the first arm)
     import matplotlib.figure  # noqa: F401  (pt-ray's report.png: the same for its first arm)
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    cold: dict[str, dict] = {}
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     try:
+        if args.warmup:
+            cold = warm_up(arms, config, [*overrides, f"epochs={args.warmup}"], args.out)
         for repeat in range(args.repeats):
             # abba: odd repeats run the arms in reverse, so that drift and whatever a run leaves
             # behind for the next one fall on both arms alike.
@@ -375,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": cfg.epochs,
         "repeats": args.repeats,
         "order": args.order,
+        "warmup_epochs": args.warmup,
+        # Each arm's unmeasured warm-up run (the first of its kind in this cluster and driver).
+        "cold_start": cold,
         "arms": arms,
         "arm_overrides": {a: ARM_OVERRIDES[a] for a in arms},
         "cache_mode": cfg.cache.mode,

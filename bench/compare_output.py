@@ -159,9 +159,9 @@ def breakdown_lines(data: dict[str, Any]) -> list[str]:
             f"{_med([r['wall_time_s'] for r in recs]):>10.1f}"
             f"{_med([r['final_accuracy'] for r in recs]):>10.4f}")
     noted = {arm: q["startup_parts"] for arm, q in parts.items() if q.get("startup_parts")}
+    names = {"preflight_s": "checks", "worker_group_s": "workers", "dataset_s": "dataset",
+             "model_s": "model", "setup_s": "set-up"}
     if noted:
-        names = {"preflight_s": "checks", "worker_group_s": "workers", "dataset_s": "dataset",
-                 "model_s": "model", "setup_s": "set-up"}
         lines += ["", "start-up in parts (s, medians; checks: pt-ray's driver-side build of the "
                   "dataset and model; workers: Ray Train's worker group until rank 0 began; "
                   "set-up: pt-ray's profiling and first plan, the peer's DDP and loaders):",
@@ -169,6 +169,18 @@ def breakdown_lines(data: dict[str, Any]) -> list[str]:
         for arm, got in noted.items():
             lines.append(f"{arm:<12}" + "".join(
                 f"{got[k]:>9.2f}" if k in got else f"{'-':>9}" for k in STARTUP_PARTS))
+    cold = data.get("cold_start") or {}
+    if cold:
+        lines += ["", f"cold start (each arm's unmeasured {data['warmup_epochs']}-epoch warm-up "
+                  "run, the first of its kind in this cluster and driver; s):",
+                  f"{'arm':<12}{'start-up':>9}{'call':>8}"
+                  + "".join(f"{names[k]:>9}" for k in STARTUP_PARTS)]
+        for arm, got in cold.items():
+            up = got.get("startup_s")
+            lines.append(f"{arm:<12}" + (f"{up:>9.1f}" if up is not None else f"{'?':>9}")
+                         + f"{got['fit_call_s']:>8.1f}" + "".join(
+                             f"{got['startup'][k]:>9.2f}" if k in got["startup"] else f"{'-':>9}"
+                             for k in STARTUP_PARTS))
     return lines
 
 

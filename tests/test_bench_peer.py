@@ -181,3 +181,27 @@ def test_engine_tax_times_both_loops_on_the_same_ranks(tmp_path):
     taxes = sorted(r["engine"] / r["peer"] - 1 for r in got["rows"])
     assert got["tax_median"] == pytest.approx(sum(taxes) / 2)
     assert got["tax_min"] == taxes[0] and got["tax_max"] == taxes[1]
+
+
+@pytest.mark.unit
+def test_the_warm_up_runs_are_printed_as_the_cold_start_and_kept_out_of_the_medians():
+    import compare_output
+    import compare_report
+
+    runs = {"pt-ray": [_run(20.0, 60.0, 0.97, [1.0] * 3, [0.5, 0.7])],
+            "peer": [_run(30.0, 75.0, 0.975, [0.5] * 3, [0.2, 0.2])]}
+    data = {"arms": ["pt-ray", "peer"], "runs": runs, "metric_name": "accuracy",
+            "summary": {"breakdown": compare_report.breakdown(runs)}, "warmup_epochs": 1,
+            "cold_start": {"pt-ray": {"fit_call_s": 31.5, "startup_s": 14.25,
+                                      "startup": {"preflight_s": 1.93, "model_s": 2.4}},
+                           "peer": {"fit_call_s": 22.0, "startup_s": None,
+                                    "startup": {"worker_group_s": 9.5}}}}
+    lines = compare_output.breakdown_lines(data)
+    at = next(i for i, line in enumerate(lines) if line.startswith("cold start"))
+    assert "1-epoch warm-up" in lines[at]
+    assert lines[at + 2].split() == ["pt-ray", "14.2", "31.5", "1.93", "-", "-", "2.40", "-"]
+    assert lines[at + 3].split() == ["peer", "?", "22.0", "-", "9.50", "-", "-", "-"]
+    # The measured rows stay the measured runs' medians.
+    assert lines[2].split()[:2] == ["pt-ray", "8.0"]
+    assert "cold start" not in "\n".join(compare_output.breakdown_lines(
+        {**data, "cold_start": {}}))
