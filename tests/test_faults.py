@@ -130,8 +130,6 @@ def _record(epoch: int, num_layers: int = 4):
 def _controller_after_epoch_0(tmp_path, name: str):
     """A controller set up for 4 blocks on 1 rank, epoch 0 recorded, and the checkpoint a
     worker writes after it (taken at decision 1's start) in the run's storage folder."""
-    import ray
-
     from pt_ray.core.plan import CostTable
     from pt_ray.runtime.checkpoint import write_meta
     from pt_ray.service.controller import ControllerActor, RayController, controller_name
