@@ -259,7 +259,7 @@ def warm_up(arms: list[str], config: Any, overrides: list[str], out: Path) -> di
     The first run in a fresh cluster and driver pays what later runs do not: Ray's first worker
     processes for the job and the driver's first imports (pt-ray's preflight imports timm). With
     abba order the first arm would carry it alone. Returns each arm's start-up parts and
-    whole-call time from its warm-up, as the cold start a first run in a fresh process sees.
+    whole-call time from its warm-up (only the first arm's is a fully cold start).
     """
     cold = {}
     for arm in arms:
@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                              "epochs, unmeasured (0: none), so that the cluster's first worker "
                              "processes and the driver's first imports (timm's, about 1-2 s) "
                              "fall on no arm's figures; their start-up parts are printed and "
-                             "saved as the cold start (default: 1)")
+                             "saved as cold_start (the first arm's is the cluster's first run; "
+                             "default: 1)")
     parser.add_argument("--object-store-mb", type=int, default=512,
                         help="object store of the benchmark's Ray cluster, MiB (default: 512)")
     parser.add_argument("--label", default=None,

@@ -171,8 +171,9 @@ def breakdown_lines(data: dict[str, Any]) -> list[str]:
                 f"{got[k]:>9.2f}" if k in got else f"{'-':>9}" for k in STARTUP_PARTS))
     cold = data.get("cold_start") or {}
     if cold:
-        lines += ["", f"cold start (each arm's unmeasured {data['warmup_epochs']}-epoch warm-up "
-                  "run, the first of its kind in this cluster and driver; s):",
+        lines += ["", f"warm-up (each arm's unmeasured {data['warmup_epochs']}-epoch run, in "
+                  f"this order; the first, {next(iter(cold))}, was the cluster's first run and "
+                  "paid its first worker processes and the driver's first imports; s):",
                   f"{'arm':<12}{'start-up':>9}{'call':>8}"
                   + "".join(f"{names[k]:>9}" for k in STARTUP_PARTS)]
         for arm, got in cold.items():
