@@ -224,8 +224,9 @@ class RayController:
         # Rank 0's record, sent without waiting: its norms follow at once and both answers
         # are awaited together (one round trip at the epoch's end instead of two).
         self._pending: list[ray.ObjectRef] = []
-        # A checkpoint's controller state, asked for ahead (see send_checkpoint_state).
-        self._early: tuple[int, ray.ObjectRef] | None = None
+        # Answers asked for ahead, by (method, decision): the next plan once this worker's
+        # norms are in, and rank 0's checkpoint state (see send_checkpoint_state).
+        self._early: dict[tuple[str, int], ray.ObjectRef] = {}
 
     def _settle(self) -> None:
         """Wait for the calls sent without waiting, in the order sent; a lost controller
@@ -288,8 +289,28 @@ class RayController:
     def submit_costs(self, rank: int, costs: CostTable) -> None:
         self._call("submit_costs", rank, costs)
 
+    def _ask_ahead(self, method: str, decision: int) -> None:
+        """Send ``method(decision)`` now and keep its answer for :meth:`_answer` (replacing an
+        unused earlier one of the same method)."""
+        self._early = {k: v for k, v in self._early.items() if k[0] != method}
+        self._early[(method, decision)] = getattr(self.actor, method).remote(decision)
+
+    def _answer(self, method: str, decision: int) -> Any:
+        """``method(decision)``'s answer: the one asked for ahead if there is one, else a
+        round trip; a controller lost meanwhile recovers first."""
+        ref = self._early.pop((method, decision), None)
+        if ref is not None:
+            self._settle()
+            try:
+                return ray.get(ref, timeout=self.timeout_s)
+            except _LOST as err:
+                logger.warning("controller lost during %s (%s); waiting for it to come back",
+                               method, type(err).__name__)
+                self._recover()
+        return self._call(method, decision)
+
     def plan_for(self, decision: int) -> Plan:
-        plan = self._call("plan_for", decision)
+        plan = self._answer("plan_for", decision)
         self._decision = decision
         return plan
 
@@ -299,6 +320,9 @@ class RayController:
         self._norms = (decision, rank, norms)
         self._pending.append(self.actor.submit_norms.remote(decision, rank, norms))
         self._settle()
+        # The next plan waits for these norms (every rank's): asked for now, its round trip
+        # overlaps the epoch's checkpoint and report instead of delaying the next epoch.
+        self._ask_ahead("plan_for", decision + 1)
 
     def record(self, rank: int, rec: EpochRecord) -> None:
         if rank == 0:  # every rank holds the same record
@@ -313,22 +337,12 @@ class RayController:
         """Ask now for what :meth:`checkpoint_state` will return, so that the round trip (and
         the wait for the other ranks' norms) overlaps the caller's writing of its shard."""
         self._settle()
-        self._early = (decision, self.actor.checkpoint_state.remote(decision))
+        self._ask_ahead("checkpoint_state", decision)
 
     def checkpoint_state(self, decision: int) -> dict[str, Any]:
         """The controller's state once ``decision`` is made: what a checkpoint saves with the
         shards (the answer asked for by :meth:`send_checkpoint_state`, if it was)."""
-        early, self._early = self._early, None
-        state = None
-        if early is not None and early[0] == decision:
-            try:
-                state = ray.get(early[1], timeout=self.timeout_s)
-            except _LOST as err:
-                logger.warning("controller lost during checkpoint_state (%s); waiting for it "
-                               "to come back", type(err).__name__)
-                self._recover()
-        if state is None:
-            state = self._call("checkpoint_state", decision)
+        state = self._answer("checkpoint_state", decision)
         self._decision = decision
         return state
 
