@@ -197,11 +197,11 @@ def test_the_warm_up_runs_are_printed_as_the_cold_start_and_kept_out_of_the_medi
                            "peer": {"fit_call_s": 22.0, "startup_s": None,
                                     "startup": {"worker_group_s": 9.5}}}}
     lines = compare_output.breakdown_lines(data)
-    at = next(i for i, line in enumerate(lines) if line.startswith("cold start"))
-    assert "1-epoch warm-up" in lines[at]
+    at = next(i for i, line in enumerate(lines) if line.startswith("warm-up"))
+    assert "1-epoch run" in lines[at] and "the first, pt-ray," in lines[at]
     assert lines[at + 2].split() == ["pt-ray", "14.2", "31.5", "1.93", "-", "-", "2.40", "-"]
     assert lines[at + 3].split() == ["peer", "?", "22.0", "-", "9.50", "-", "-", "-"]
     # The measured rows stay the measured runs' medians.
     assert lines[2].split()[:2] == ["pt-ray", "8.0"]
-    assert "cold start" not in "\n".join(compare_output.breakdown_lines(
+    assert "warm-up" not in "\n".join(compare_output.breakdown_lines(
         {**data, "cold_start": {}}))
