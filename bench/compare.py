@@ -31,6 +31,7 @@ Writes ``<out>/compare.json`` and ``<out>/compare.png`` and prints a table. Usag
     python bench/compare.py [--config FILE] [--set k=v ...] [--epochs N] [--repeats R]
                             [--out bench/out] [--ablation] [--no-cache-arm] [--no-dp-arm]
                             [--no-peer-arm] [--arms a,b,...] [--order abba|abab]
+                            [--warmup EPOCHS]
     python bench/compare.py --resummarise bench/out/compare.json --out bench/out
 """
 
@@ -405,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "order": args.order,
         "warmup_epochs": args.warmup,
-        # Each arm's unmeasured warm-up run (the first of its kind in this cluster and driver).
+        # Each arm's unmeasured warm-up run, in arm order; only the first is the cluster's and
+        # the driver's first run.
         "cold_start": cold,
         "arms": arms,
         "arm_overrides": {a: ARM_OVERRIDES[a] for a in arms},
