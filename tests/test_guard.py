@@ -38,10 +38,9 @@ def _control(rollback: bool):
 
 
 def _epoch_end(state, decision: int, rec: EpochRecord):
-    """What every rank does after an epoch: its record, then its norms."""
+    """What the controller gets after an epoch: the record, then the merged norms."""
     state.record(rec)
-    for r in range(2):
-        state.submit_norms(decision, r, {b: 1.0 for b in range(rec.num_frozen, 4)})
+    state.submit_norms(decision, {b: 1.0 for b in range(rec.num_frozen, 4)})
     return state.plan_for(decision + 1)
 
 

@@ -201,3 +201,19 @@ def test_one_pass_gives_the_global_and_the_per_block_norms():
     assert meter.mean() == pytest.approx({b: 2 * float(expected[b]) for b in (1, 2, 3)},
                                          rel=1e-6)
     assert meter.state_dict()["steps"] == 2
+
+
+@pytest.mark.unit
+def test_block_norms_merge_over_ranks_in_rank_order_whatever_stage_holds_them():
+    # Four ranks of K = 2, R = 2 on six blocks: stage 0 trains blocks 1-2 (block 0 frozen),
+    # stage 1 blocks 3-5; a stage's replicas hold equal values, the first rank's is kept.
+    import math
+
+    from pt_ray.runtime.norms import merge_block_norms, norm_row
+
+    stage0, stage1 = {1: 0.5, 2: 0.25}, {3: 1.0, 4: 2.0, 5: 4.0}
+    rows = [norm_row(stage0, 6), norm_row(stage1, 6), norm_row(stage0, 6),
+            norm_row({**stage1, 5: 9.0}, 6)]
+    assert math.isnan(rows[0][0]) and rows[0][1:3] == [0.5, 0.25]
+    assert merge_block_norms(rows) == {1: 0.5, 2: 0.25, 3: 1.0, 4: 2.0, 5: 4.0}
+    assert merge_block_norms([norm_row({}, 6)] * 2) == {}  # policy none: nothing measured

@@ -166,8 +166,7 @@ def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 6, 1.0))
     plan = state.plan_for(0)
     for decision in range(1, 6):
-        state.submit_norms(decision - 1, 0, {i: 1.0 for i in range(6)})
-        state.submit_norms(decision - 1, 1, {i: 1.0 for i in range(6)})
+        state.submit_norms(decision - 1, {i: 1.0 for i in range(6)})
         plan = state.plan_for(decision)
         assert (plan.pipeline_length, plan.num_replicas) == (2, 1)
     assert plan.num_frozen == 4

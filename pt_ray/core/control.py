@@ -152,7 +152,7 @@ class ControlState:
     """Decides freezes and plans for one run.
 
     Args:
-        num_workers: N, the ranks that submit costs and norms.
+        num_workers: N, the ranks that submit costs.
         policy: the freeze policy (L from the model).
         make_planner: builds the planner once the merged cost table is known.
         decision_label: how log lines name a decision point (``"epoch"`` or ``"interval"``).
@@ -184,7 +184,6 @@ class ControlState:
         self.rollbacks: list[dict[str, Any]] = []
         self.discarded: list[EpochRecord] = []
         self._cost_tables: dict[int, CostTable] = {}
-        self._norms: dict[int, dict[int, dict[int, float]]] = {}
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -203,21 +202,13 @@ class ControlState:
             self.plans[0] = plan
             logger.info("initial plan %s", plan.describe())
 
-    def submit_norms(self, decision: int, rank: int, norms: Mapping[int, float]) -> None:
-        """The per-block gradient norms a rank gathered during interval ``decision`` (only the
-        blocks it trains; replicas send equal values). Once all N are in, decision
-        ``decision + 1`` is taken."""
+    def submit_norms(self, decision: int, norms: Mapping[int, float]) -> None:
+        """The per-block gradient norms of every trained block during interval ``decision``
+        (the workers merge their stages' values among themselves first:
+        :func:`pt_ray.runtime.norms.merge_block_norms`); takes decision ``decision + 1``."""
         if decision + 1 in self.plans:
             return  # already decided (a restarted worker resubmitting)
-        got = self._norms.setdefault(decision, {})
-        got[rank] = {int(k): float(v) for k, v in norms.items()}
-        if len(got) == self.num_workers:
-            merged: dict[int, float] = {}
-            for r in sorted(got):
-                for block, value in got[r].items():
-                    merged.setdefault(block, value)
-            del self._norms[decision]
-            self._decide(decision + 1, merged)
+        self._decide(decision + 1, {int(k): float(v) for k, v in norms.items()})
 
     def record(self, rec: EpochRecord) -> None:
         """Append (or replace, after a restart) one epoch of the timeline, and show it to the
@@ -323,7 +314,6 @@ class ControlState:
         self.load_state_dict(state)
         self.plans = {d: p for d, p in self.plans.items() if d <= next_decision}
         self.decisions = [d for d in self.decisions if d["decision"] <= next_decision]
-        self._norms.clear()
         plan = self.plans[next_decision]
         if plan.num_workers != self.num_workers:
             assert self.planner is not None

@@ -92,6 +92,13 @@ class Comm:
         dist.all_reduce(t, op=_OPS[op], group=group)
         return t.tolist()
 
+    def gather_values(self, values: Sequence[float], group=None) -> list[list[float]]:
+        """Every rank's few numbers, in rank order, read back on the host: one collective
+        where sums, maxima and per-rank rows of the same numbers would each need their own
+        reduction. Every rank gives as many values."""
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        return [row.tolist() for row in torch.stack(self.all_gather(t, group)).cpu()]
+
     def all_gather(self, t: torch.Tensor, group=None) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape and dtype everywhere), in rank order."""
         x = self._on(t.contiguous())

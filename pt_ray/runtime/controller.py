@@ -30,18 +30,23 @@ class Controller(Protocol):
         """The plan from decision ``decision`` on; blocks until it is decided."""
         ...
 
-    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None: ...
+    def submit_norms(self, decision: int, rank: int, norms: dict[int, float],
+                     record: EpochRecord | None = None) -> None:
+        """Interval ``decision``'s per-block norms, already merged over the ranks (the same on
+        every rank; one copy is kept). ``record``: the epoch that ends the interval, taken
+        before the norms (the accuracy guard must see it before the next decision)."""
+        ...
 
     def record(self, rank: int, rec: EpochRecord) -> None:
-        """One epoch's record. Every rank calls it after each epoch, before submitting that
-        epoch's norms (the accuracy guard must see the record before the next decision); one
-        copy is kept."""
+        """One epoch's record, when it does not go with its norms (decisions every k steps):
+        every rank calls it after the epoch; one copy is kept."""
         ...
 
 
 class LocalController:
     """A controller without Ray: every rank keeps an identical :class:`ControlState` and feeds it
-    the same inputs, exchanged as tensors over WORLD (nothing is pickled through a group).
+    the same inputs (the cost profiles exchanged as tensors over WORLD: nothing is pickled
+    through a group; records and norms arrive alike on every rank).
 
     Args:
         state: this rank's copy of the control state.
@@ -69,18 +74,11 @@ class LocalController:
             raise RuntimeError(f"decision {decision} asked before its inputs were submitted")
         return plan
 
-    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
-        # One row per rank, as long as the deepest block any rank reports: NaN where this rank
-        # holds no norm of that block.
-        deepest = torch.tensor([max(norms, default=-1) + 1], dtype=torch.int64)
-        size = int(max(int(t.item()) for t in self.comm.all_gather(deepest)))
-        mine = torch.full((size,), float("nan"), dtype=torch.float64)
-        for block, value in norms.items():
-            mine[block] = value
-        for r, row in enumerate(self.comm.all_gather(mine)):
-            values = row.cpu().tolist()
-            self.state.submit_norms(
-                decision, r, {b: v for b, v in enumerate(values) if not math.isnan(v)})
+    def submit_norms(self, decision: int, rank: int, norms: dict[int, float],
+                     record: EpochRecord | None = None) -> None:
+        if record is not None:
+            self.state.record(record)  # each rank's own copy of the state
+        self.state.submit_norms(decision, norms)
 
     def record(self, rank: int, rec: EpochRecord) -> None:
         self.state.record(rec)  # each rank's own copy of the state

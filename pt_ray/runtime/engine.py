@@ -80,7 +80,7 @@ from pt_ray.runtime.optim import (
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
-from pt_ray.runtime.norms import GradNormMeter
+from pt_ray.runtime.norms import GradNormMeter, merge_block_norms, norm_row
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
 from pt_ray.runtime.sync import BlockIndex, all_reduce_grads, clip_grad_norm
 from pt_ray.runtime.topology import Topology
@@ -427,8 +427,12 @@ class ElasticWorker:
             return lambda rows: tuple(t[torch.from_numpy(rows).to(t.device)] for t in batch.inputs)
         return lambda rows: _to(gather(self.splits.train, mine[rows].tolist()), self.device).inputs
 
-    def _submit_norms(self, interval: int) -> None:
-        self.controller.submit_norms(interval, self.rank, self.norms.mean())
+    def _submit_norms(self, interval: int, norms: dict[int, float],
+                      record: EpochRecord | None = None) -> None:
+        """Hand interval ``interval``'s norms (merged over the ranks, the same on each), after
+        the epoch ``record`` that ends it if any, to the controller, and start the next
+        interval's."""
+        self.controller.submit_norms(interval, self.rank, norms, record)
         self.norms.reset()
 
     def _decision_point(self, decision: int) -> float:
@@ -436,7 +440,8 @@ class ElasticWorker:
         ``decision - 1`` are submitted here first; per-epoch norms go at the end of each epoch.
         With ``freeze.rollback``, a plan that freezes more is entered after a snapshot."""
         if self.cfg.freeze.interval == "steps" and decision > 0:
-            self._submit_norms(decision - 1)
+            rows = self.comm.gather_values(norm_row(self.norms.mean(), self.plan.num_layers))
+            self._submit_norms(decision - 1, merge_block_norms(rows))
         plan = self.controller.plan_for(decision)
         if (self.cfg.freeze.rollback and self.plan is not None
                 and plan.num_frozen > self.plan.num_frozen):
@@ -561,16 +566,25 @@ class ElasticWorker:
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
             torch.cuda.synchronize(self.device)
         epoch_time = time.perf_counter() - t0
-        # Each rank fills its own row of the memory table; the sum below gathers them all.
-        memory = [0.0] * (len(FIELDS) * self.world)
-        memory[self.rank * len(FIELDS):(self.rank + 1) * len(FIELDS)] = self.memory.figures(
-            self.plan.stage_layers(self.topo.stage), self.optimizer, self.topo.stage)
-        # After this reduction every rank's cache writes have landed.
-        cache = self.comm.reduce_values(epoch_counters(self.prefix))
-        held = store_figures(self.prefix, self.rank)
-        metric, eval_time = self.evaluate() if cfg.evaluates_after(epoch) else (float("nan"), 0.0)
-        totals = self.comm.reduce_values([float(loss_sum), *held, *memory])
-        times = self.comm.reduce_values([epoch_time, transition], op="max")
+        memory = self.memory.figures(self.plan.stage_layers(self.topo.stage), self.optimizer,
+                                     self.topo.stage)
+        cache, held = [0.0] * 6, [0.0, 0.0]
+        if self.prefix is not None:
+            # After this reduction every rank's cache writes have landed.
+            cache = self.comm.reduce_values(epoch_counters(self.prefix))
+            held = store_figures(self.prefix, self.rank)
+        evaluated = cfg.evaluates_after(epoch)
+        correct, eval_time = self.count_correct() if evaluated else (0, 0.0)
+        # One gather carries every figure of the epoch end: each rank's loss share, correct
+        # count, times, store figures and memory row, and (interval `epoch`) its block norms.
+        mine = [float(loss_sum), float(correct), epoch_time, transition, *held, *memory]
+        norms = {} if by_steps else self.norms.mean()
+        rows = self.comm.gather_values(mine + norm_row(norms, self.plan.num_layers))
+        loss_total, correct_total, held_bytes, held_objects = (
+            sum(r[i] for r in rows) for i in (0, 1, 4, 5))
+        epoch_time = max(r[2] for r in rows)
+        transition = max(r[3] for r in rows)
+        metric = correct_total / max(len(self.splits.eval), 1) if evaluated else float("nan")
         rec = EpochRecord(
             epoch=epoch,
             num_frozen=self.plan.num_frozen,
@@ -578,28 +592,29 @@ class ElasticWorker:
             pipeline_length=self.plan.pipeline_length,
             num_replicas=self.plan.num_replicas,
             num_microbatches=self.plan.num_microbatches,
-            throughput_samples_per_s=offset / max(float(times[0]), 1e-9),
-            epoch_time_s=float(times[0]),
-            transition_time_s=float(times[1]),
+            throughput_samples_per_s=offset / max(epoch_time, 1e-9),
+            epoch_time_s=epoch_time,
+            transition_time_s=transition,
             cache_hit_rate=float(cache[1] / cache[0]) if cache[0] else 0.0,
-            train_loss=float(totals[0]) / max(steps, 1),
+            train_loss=loss_total / max(steps, 1),
             eval_metric=metric,
             eval_time_s=eval_time,
             # Replicas run side by side: the wall time saved is the mean over them.
             cache_saved_s=float(cache[2] / cache[3]) if cache[3] else 0.0,
-            cache_bytes=int(totals[1]),
-            cache_objects=int(totals[2]),
+            cache_bytes=int(held_bytes),
+            cache_objects=int(held_objects),
             cache_cost_ratio=float(cache[4] / cache[5]) if cache[5] else 0.0,
-            memory=rank_memory(totals[1 + len(held):], self.world),
+            memory=rank_memory([v for r in rows for v in r[6:6 + len(FIELDS)]], self.world),
         )
-        self.controller.record(self.rank, rec)
         self.next_epoch = epoch + 1
-        if not by_steps:
+        if by_steps:
+            self.controller.record(self.rank, rec)
+        else:
             # Interval `epoch` ends here; its norms (after the record, which the accuracy guard
             # reads) feed the next epoch's decision.
-            self._submit_norms(decision)
+            self._submit_norms(decision, merge_block_norms([r[len(mine):] for r in rows]), rec)
             if cfg.freeze.rollback:
-                self._after_guard(decision + 1, evaluated=metric == metric)
+                self._after_guard(decision + 1, evaluated=evaluated)
         return rec
 
     def _step_report(self, epoch: int, epoch_step: int, loss: torch.Tensor | float,
@@ -672,9 +687,11 @@ class ElasticWorker:
     # -- evaluation ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """The eval metric over the whole eval set, split across replicas and pipelined through
-        each replica's stages; returns ``(metric, seconds)``."""
+    def count_correct(self) -> tuple[int, float]:
+        """Score this rank's share of the eval set: the set is split across replicas and piped
+        through each replica's stages. Returns the correct predictions counted here (on last
+        stages; 0 elsewhere: the sum over every rank is the whole set's) and the seconds it
+        took."""
         t0 = time.perf_counter()
         plan, topo = self.plan, self.topo
         n = len(self.splits.eval)
@@ -697,8 +714,7 @@ class ElasticWorker:
                 target = gather(self.splits.eval, idx.tolist()).target.to(self.device)
                 correct += self.adapter.correct(out, target).sum()
         self._set_modes()
-        (total,) = self.comm.reduce_values([float(correct)])
-        return total / max(n, 1), time.perf_counter() - t0
+        return int(correct), time.perf_counter() - t0
 
     # -- state ---------------------------------------------------------------------------------
 

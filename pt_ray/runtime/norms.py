@@ -7,13 +7,15 @@ Torch runtime layer, no Ray.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pt_ray.models.base import ModelAdapter
 
-__all__ = ["GradNormMeter", "block_grad_norms"]
+__all__ = ["GradNormMeter", "block_grad_norms", "merge_block_norms", "norm_row"]
 
 
 @dataclass
@@ -79,3 +81,24 @@ def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, torch.Te
         if grads:
             out[i] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
     return out
+
+
+def norm_row(norms: dict[int, float], num_layers: int) -> list[float]:
+    """A rank's mean block norms as one row of ``num_layers`` numbers for a gather across
+    ranks: NaN for the blocks this rank does not train."""
+    row = [math.nan] * num_layers
+    for block, value in norms.items():
+        row[block] = float(value)
+    return row
+
+
+def merge_block_norms(rows: Sequence[Sequence[float]]) -> dict[int, float]:
+    """One norm per trained block from every rank's :func:`norm_row`, in rank order: the first
+    rank that trains a block gives its value (a stage's replicas hold equal values, reduced
+    over their data-parallel group before the norms were taken)."""
+    merged: dict[int, float] = {}
+    for row in rows:
+        for block, value in enumerate(row):
+            if not math.isnan(value):
+                merged.setdefault(block, float(value))
+    return merged

@@ -7,9 +7,10 @@ Ray Train's worker group.
 
 A controller that is lost comes back: Ray restarts the actor (``max_restarts``), empty, and the
 first worker whose call fails finds it again and has it restore itself from the run's latest
-complete checkpoint (:meth:`ControllerActor.recover`); each worker then replays what it had
-sent since that checkpoint (rank 0's epoch record, its norms) and retries its call, so training
-goes on without a worker-group restart. Lost before the first checkpoint, when the latest
+complete checkpoint (:meth:`ControllerActor.recover`); rank 0 then replays what it had sent
+since that checkpoint (the epoch record and the norms, merged over the workers: no other rank
+sends any) and every worker retries its call, so training goes on without a worker-group
+restart. Lost before the first checkpoint, when the latest
 checkpoint was not taken at the start of the workers' current decision (what they sent since
 is gone), or not back within ``pipeline.collective_timeout_s``, the call fails and Ray Train
 restarts the worker group.
@@ -146,9 +147,19 @@ class ControllerActor:
         self._state().submit_costs(rank, costs)
         await self._notify()
 
-    async def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
-        self._state().submit_norms(decision, rank, norms)
+    async def submit_norms(self, decision: int, norms: dict[int, float]) -> None:
+        """Interval ``decision``'s norms, merged over the workers (rank 0 sends them)."""
+        self._state().submit_norms(decision, norms)
         await self._notify()
+
+    async def end_interval(self, decision: int, norms: dict[int, float],
+                           rec: EpochRecord | None = None) -> Plan:
+        """Rank 0's one call at the end of an interval: the epoch's record (if it ends one),
+        then the interval's merged norms, answered with the next decision's plan."""
+        if rec is not None:
+            self._state().record(rec)
+        await self.submit_norms(decision, norms)
+        return await self.plan_for(decision + 1)
 
     async def plan_for(self, decision: int) -> Plan:
         """The plan from ``decision`` on; waits until every rank's inputs are in."""
@@ -219,13 +230,14 @@ class RayController:
         self.timeout_s = timeout_s
         self._setup_args: tuple | None = None
         self._record: EpochRecord | None = None  # rank 0's last record
-        self._norms: tuple[int, int, dict[int, float]] | None = None  # the last submission
+        self._norms: tuple[int, dict[int, float]] | None = None  # rank 0's last norms
         self._decision: int | None = None  # the decision whose plan this worker trains under
-        # Rank 0's record, sent without waiting: its norms follow at once and both answers
-        # are awaited together (one round trip at the epoch's end instead of two).
+        # Rank 0's record when it goes alone (decisions every k steps), sent without waiting:
+        # its answer is read once the next answer that follows it has come (the actor takes a
+        # caller's calls in order), or by the next plain call.
         self._pending: list[ray.ObjectRef] = []
-        # Answers asked for ahead, by (method, decision): the next plan once this worker's
-        # norms are in, and rank 0's checkpoint state (see send_checkpoint_state).
+        # Answers asked for ahead, by (method, decision): the next plan once the interval's
+        # norms are sent, and rank 0's checkpoint state (see send_checkpoint_state).
         self._early: dict[tuple[str, int], ray.ObjectRef] = {}
 
     def _settle(self) -> None:
@@ -249,8 +261,6 @@ class RayController:
             logger.warning("controller lost during %s (%s); waiting for it to come back",
                            method, type(err).__name__)
         self._recover()
-        if method in ("record", "submit_norms"):
-            return None  # sent again by the recovery
         return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
 
     def _recover(self) -> None:
@@ -300,13 +310,16 @@ class RayController:
         round trip; a controller lost meanwhile recovers first."""
         ref = self._early.pop((method, decision), None)
         if ref is not None:
-            self._settle()
             try:
-                return ray.get(ref, timeout=self.timeout_s)
+                value = ray.get(ref, timeout=self.timeout_s)
             except _LOST as err:
                 logger.warning("controller lost during %s (%s); waiting for it to come back",
                                method, type(err).__name__)
+                self._pending = []  # lost with it; the recovery sends them again
                 self._recover()
+            else:
+                self._settle()  # sent before this answer: done by now
+                return value
         return self._call(method, decision)
 
     def plan_for(self, decision: int) -> Plan:
@@ -314,20 +327,26 @@ class RayController:
         self._decision = decision
         return plan
 
-    def submit_norms(self, decision: int, rank: int, norms: dict[int, float]) -> None:
-        # Answered before this worker goes on: a barrier (the epoch's report) may follow, and
-        # a rank that learnt of a lost controller only after it would leave rank 0 waiting.
-        self._norms = (decision, rank, norms)
-        self._pending.append(self.actor.submit_norms.remote(decision, rank, norms))
-        self._settle()
-        # The next plan waits for these norms (every rank's): asked for now, its round trip
-        # overlaps the epoch's checkpoint and report instead of delaying the next epoch.
-        self._ask_ahead("plan_for", decision + 1)
+    def submit_norms(self, decision: int, rank: int, norms: dict[int, float],
+                     record: EpochRecord | None = None) -> None:
+        # Every rank holds the same merged norms and record: rank 0 sends them in one call,
+        # answered with the next plan, and nobody waits now; every other rank asks for that
+        # plan. The round trips overlap the epoch's checkpoint and report instead of delaying
+        # the next epoch, and no rank waits for another's call to the controller: a lost one is
+        # found by the next answer a rank reads (rank 0 then sends its record and norms again).
+        if rank != 0:
+            self._ask_ahead("plan_for", decision + 1)
+            return
+        if record is not None:
+            self._record = record
+        self._norms = (decision, norms)
+        self._early = {k: v for k, v in self._early.items() if k[0] != "plan_for"}
+        self._early[("plan_for", decision + 1)] = self.actor.end_interval.remote(
+            decision, norms, record)
 
     def record(self, rank: int, rec: EpochRecord) -> None:
         if rank == 0:  # every rank holds the same record
             self._record = rec
-            # Its answer is awaited with the norms that follow (or by any other call).
             self._pending.append(self.actor.record.remote(rec))
 
     def state_dict(self) -> dict[str, Any]:
@@ -335,8 +354,7 @@ class RayController:
 
     def send_checkpoint_state(self, decision: int) -> None:
         """Ask now for what :meth:`checkpoint_state` will return, so that the round trip (and
-        the wait for the other ranks' norms) overlaps the caller's writing of its shard."""
-        self._settle()
+        the decision it waits for) overlaps the caller's writing of its shard."""
         self._ask_ahead("checkpoint_state", decision)
 
     def checkpoint_state(self, decision: int) -> dict[str, Any]:
