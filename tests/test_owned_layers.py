@@ -102,19 +102,21 @@ def test_four_ranks_hold_only_their_stage_through_k_4_2_1_and_match_the_referenc
 
 @contextmanager
 def shards_opened():
-    """The names of the files ``torch.load`` opens inside the block."""
+    """The names of the shard files read inside the block."""
+    from pt_ray.runtime import checkpoint
+
     opened: list[str] = []
-    real_load = torch.load
+    real_read = checkpoint.read_shard
 
     def spy(path, *args, **kwargs):
         opened.append(Path(path).name)
-        return real_load(path, *args, **kwargs)
+        return real_read(path, *args, **kwargs)
 
-    torch.load = spy
+    checkpoint.read_shard = spy
     try:
         yield opened
     finally:
-        torch.load = real_load
+        checkpoint.read_shard = real_read
 
 
 def resume_from_own_shards(rank, world, cfg, directory):

@@ -4,6 +4,7 @@ skipped; what cannot resume says so in one line before anything starts."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -20,8 +21,8 @@ from pt_ray.cli import main
 from pt_ray.core.config import ConfigError, build_config
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.resume import resume_point
-from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, pack_tensors, \
-    read_meta, unpack_tensors, usable_checkpoint, write_meta, write_shard
+from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, read_meta, \
+    read_shard, usable_checkpoint, write_meta, write_shard
 from pt_ray.runtime.reference import ReferenceTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -132,7 +133,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_packed_shards_come_back_bit_for_bit_and_unpacked_ones_still_load(tmp_path):
+def test_shards_come_back_bit_for_bit_and_earlier_formats_still_load(tmp_path):
     layers = {
         "blocks.0": {
             "params": {"w": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
@@ -143,26 +144,46 @@ def test_packed_shards_come_back_bit_for_bit_and_unpacked_ones_still_load(tmp_pa
         },
         "__norms__": {"sums": {0: 1.5, 1: 2.0}, "steps": 4, "pair": (torch.ones(2), "x")},
     }
-    packed = pack_tensors(layers)
-    # One tensor, not one per value: that is what makes the write cheap.
-    tensors = [v for v in packed.values() if isinstance(v, torch.Tensor)]
-    assert len(tensors) == 1 and tensors[0].dtype == torch.uint8
-    back = unpack_tensors(packed)
+    path = write_shard(tmp_path / "new", 0, layers)
+    back = read_shard(path)
     assert _same(layers, back)
-    # Each tensor is its own copy, not a view of the buffer.
+    # Each tensor is its own copy, not a view of the file's buffer.
     back["blocks.0"]["params"]["w"].add_(1.0)
-    again = unpack_tensors(packed)["blocks.0"]["params"]["w"]
-    assert _same(again, layers["blocks.0"]["params"]["w"])
-    write_shard(tmp_path / "new", 0, layers)
+    assert _same(read_shard(path)["blocks.0"]["params"]["w"], layers["blocks.0"]["params"]["w"])
     found, norms = load_layers(tmp_path / "new", ["blocks.0"])
     assert _same(found["blocks.0"], layers["blocks.0"]) and norms == {"sums": {0: 1.5, 1: 2.0},
                                                                        "steps": 4}
-    # A shard written before packing (plain torch.save of the layers) loads as before.
-    old = tmp_path / "old"
-    old.mkdir()
-    torch.save(layers, old / "shard-rank0.pt")
-    found, _ = load_layers(old, ["blocks.0"])
-    assert _same(found["blocks.0"], layers["blocks.0"])
+    # The manifest's size and SHA-256 are the file's, hashed while it was written.
+    manifest = json.loads(path.with_suffix(".json").read_text())
+    assert manifest["bytes"] == path.stat().st_size
+    assert manifest["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    # Every tensor's bytes start 64-byte aligned in the file: any dtype views them in place.
+    data = path.read_bytes()
+    for t in (layers["blocks.0"]["params"]["w"], layers["blocks.0"]["optim"][0]["exp_avg"]):
+        at = data.find(t.contiguous().numpy().tobytes())
+        assert at > 0 and at % 64 == 0
+    # Shards written before: one torch.save of the layers packed into one buffer (the same
+    # skeleton, specs and bytes as this file's), or of the layers themselves.
+    for name, saved in (("packed", _packed_as_before(path)), ("plain", layers)):
+        old = tmp_path / name
+        old.mkdir()
+        torch.save(saved, old / "shard-rank0.pt")
+        found, _ = load_layers(old, ["blocks.0"])
+        assert _same(found["blocks.0"], layers["blocks.0"]), name
+
+
+def _packed_as_before(path: Path) -> dict:
+    """What a shard's one ``torch.save`` held before the flat format: the skeleton and specs of
+    the flat file's header, and its tensor bytes as one uint8 buffer."""
+    import pickle
+    import struct
+
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[8:16])
+    header = pickle.loads(data[16:16 + length])
+    start = -(-(16 + length) // 64) * 64
+    return {"__pt_ray_packed__": 1, **header,
+            "buffer": torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8)}
 
 
 def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, caplog):
@@ -180,8 +201,8 @@ def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, 
     assert damage(missing) == "shard-rank0.pt missing"
 
     changed = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-07-00.000000", 1)
-    torch.save(pack_tensors({"block1": {"params": {"w": torch.full((4,), 2.0)}}}),
-               changed / "shard-rank1.pt")  # as write_shard writes it: the same size
+    other = write_shard(tmp_path / "other", 1, {"block1": {"params": {"w": torch.full((4,), 2.0)}}})
+    (changed / "shard-rank1.pt").write_bytes(other.read_bytes())  # the same size
     assert damage(changed) == "shard-rank1.pt does not match its SHA-256"
 
     no_meta = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-08-00.000000", 1)
