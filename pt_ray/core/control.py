@@ -184,6 +184,7 @@ class ControlState:
         self.rollbacks: list[dict[str, Any]] = []
         self.discarded: list[EpochRecord] = []
         self._cost_tables: dict[int, CostTable] = {}
+        self._plain_memo: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -291,18 +292,27 @@ class ControlState:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume decisions exactly."""
+        """Everything needed to resume decisions exactly (plain data; its parts are shared
+        between calls, so treat it as read-only)."""
         policy_state = getattr(self.policy, "state_dict", None)
         return {
-            "costs": asdict(self.costs) if self.costs else None,
-            "plans": {d: asdict(p) for d, p in self.plans.items()},
-            "timeline": [asdict(r) for r in self.timeline],
+            "costs": self._plain(self.costs) if self.costs else None,
+            "plans": {d: self._plain(p) for d, p in self.plans.items()},
+            "timeline": [self._plain(r) for r in self.timeline],
             "decisions": list(self.decisions),
             "policy": policy_state() if policy_state else None,
             "guard": self.guard.state_dict(),
             "rollbacks": list(self.rollbacks),
-            "discarded": [asdict(r) for r in self.discarded],
+            "discarded": [self._plain(r) for r in self.discarded],
         }
+
+    def _plain(self, item: Any) -> dict[str, Any]:
+        """``asdict(item)`` of a frozen record, plan or cost table, made once per object: every
+        checkpoint saves the whole timeline and every plan, and ``asdict`` walks each anew."""
+        hit = self._plain_memo.get(id(item))
+        if hit is None or hit[0] is not item:
+            hit = self._plain_memo[id(item)] = (item, asdict(item))
+        return hit[1]
 
     def resume(self, state: Mapping[str, Any], next_decision: int) -> Plan:
         """Roll back to a checkpoint's state and return the plan to resume with.
@@ -325,6 +335,7 @@ class ControlState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (the planner is rebuilt from the saved costs)."""
+        self._plain_memo.clear()  # for the objects this replaces
         if state["costs"] is not None:
             c = state["costs"]
             self.costs = CostTable(

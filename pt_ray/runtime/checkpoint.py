@@ -223,7 +223,7 @@ def write_meta(directory: Path, meta: dict[str, Any]) -> Path:
     """Write the run-level metadata (rank 0 only)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / META
-    path.write_text(json.dumps(meta, indent=1))
+    path.write_text(json.dumps(meta))  # the controller's state: tens of KB, read by programs
     return path
 
 
