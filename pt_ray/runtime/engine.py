@@ -565,7 +565,35 @@ class ElasticWorker:
                 mark = self._step_report(epoch, steps, loss, size, mark)
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
             torch.cuda.synchronize(self.device)
-        epoch_time = time.perf_counter() - t0
+        rec, norms = self._epoch_record(epoch, time.perf_counter() - t0, transition, loss_sum,
+                                        steps, offset)
+        self.next_epoch = epoch + 1
+        if by_steps:
+            self.controller.record(self.rank, rec)
+        else:
+            # Interval `epoch` ends here; its norms (after the record, which the accuracy guard
+            # reads) feed the next epoch's decision.
+            self._submit_norms(decision, norms, rec)
+            if cfg.freeze.rollback:
+                self._after_guard(decision + 1, evaluated=rec.eval_metric == rec.eval_metric)
+        return rec
+
+    def _epoch_record(self, epoch: int, epoch_time: float, transition: float,
+                      loss_sum: torch.Tensor | float, steps: int, samples: int
+                      ) -> tuple[EpochRecord, dict[int, float]]:
+        """After an epoch's steps: evaluate (when due) and build, from one gather over the
+        ranks, the epoch's record and (with ``interval=epoch``) the interval's block norms
+        merged over the ranks, the same on every rank.
+
+        Args:
+            epoch: the epoch.
+            epoch_time: this rank's training time, s.
+            transition: this rank's time entering the epoch's plans, s.
+            loss_sum: this rank's share of the summed step losses.
+            steps: the epoch's steps.
+            samples: the epoch's training samples (over every replica).
+        """
+        cfg = self.cfg
         memory = self.memory.figures(self.plan.stage_layers(self.topo.stage), self.optimizer,
                                      self.topo.stage)
         cache, held = [0.0] * 6, [0.0, 0.0]
@@ -578,7 +606,7 @@ class ElasticWorker:
         # One gather carries every figure of the epoch end: each rank's loss share, correct
         # count, times, store figures and memory row, and (interval `epoch`) its block norms.
         mine = [float(loss_sum), float(correct), epoch_time, transition, *held, *memory]
-        norms = {} if by_steps else self.norms.mean()
+        norms = {} if cfg.freeze.interval == "steps" else self.norms.mean()
         rows = self.comm.gather_values(mine + norm_row(norms, self.plan.num_layers))
         loss_total, correct_total, held_bytes, held_objects = (
             sum(r[i] for r in rows) for i in (0, 1, 4, 5))
@@ -592,7 +620,7 @@ class ElasticWorker:
             pipeline_length=self.plan.pipeline_length,
             num_replicas=self.plan.num_replicas,
             num_microbatches=self.plan.num_microbatches,
-            throughput_samples_per_s=offset / max(epoch_time, 1e-9),
+            throughput_samples_per_s=samples / max(epoch_time, 1e-9),
             epoch_time_s=epoch_time,
             transition_time_s=transition,
             cache_hit_rate=float(cache[1] / cache[0]) if cache[0] else 0.0,
@@ -606,16 +634,7 @@ class ElasticWorker:
             cache_cost_ratio=float(cache[4] / cache[5]) if cache[5] else 0.0,
             memory=rank_memory([v for r in rows for v in r[6:6 + len(FIELDS)]], self.world),
         )
-        self.next_epoch = epoch + 1
-        if by_steps:
-            self.controller.record(self.rank, rec)
-        else:
-            # Interval `epoch` ends here; its norms (after the record, which the accuracy guard
-            # reads) feed the next epoch's decision.
-            self._submit_norms(decision, merge_block_norms([r[len(mine):] for r in rows]), rec)
-            if cfg.freeze.rollback:
-                self._after_guard(decision + 1, evaluated=evaluated)
-        return rec
+        return rec, merge_block_norms([r[len(mine):] for r in rows])
 
     def _step_report(self, epoch: int, epoch_step: int, loss: torch.Tensor | float,
                      samples: int, mark: float) -> float:
