@@ -21,8 +21,8 @@ from pt_ray.cli import main
 from pt_ray.core.config import ConfigError, build_config
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.resume import resume_point
-from pt_ray.runtime.checkpoint import damage, latest_checkpoint, load_layers, read_meta, \
-    read_shard, usable_checkpoint, write_meta, write_shard
+from pt_ray.runtime.checkpoint import damage, deal_layers, latest_checkpoint, load_layers, \
+    read_meta, read_shard, usable_checkpoint, write_meta, write_shard
 from pt_ray.runtime.reference import ReferenceTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -263,3 +263,20 @@ def test_what_cannot_resume_ends_in_one_line_before_anything_starts(tmp_path, ca
     assert err[1].endswith("drop --config and --output")
     with pytest.raises(ConfigError, match="pass neither config nor output_dir"):
         fit(cfg, resume_from=run_dir)
+
+
+@pytest.mark.unit
+def test_layers_are_dealt_to_replicas_by_bytes_largest_first():
+    # Default-job-like stage at 5 of 6 frozen: block.5 and the head train (3x bytes).
+    weights = {"embed": 30, "block.0": 100, "block.1": 100, "block.2": 100, "block.3": 100,
+               "block.4": 100, "block.5": 300, "head": 12}
+    shares = deal_layers(weights, 2)
+    # block.5 first (to replica 1, the tie), then the blocks to whichever holds less.
+    assert shares == [["block.0", "block.1", "block.2", "block.4", "head"],
+                      ["embed", "block.3", "block.5"]]
+    assert sorted(sum(shares, [])) == sorted(weights)  # every layer once
+    loads = [sum(weights[n] for n in share) for share in shares]
+    assert abs(loads[0] - loads[1]) <= max(weights.values())
+    # A tie leaves replica 0 the smaller share; more replicas than layers leave some empty.
+    assert deal_layers({"a": 5, "b": 5, "c": 5}, 2) == [["b"], ["a", "c"]]
+    assert deal_layers({"a": 1}, 3) == [[], [], ["a"]]

@@ -1,7 +1,7 @@
 """Checkpoints of an elastic run: per-layer shards from every rank plus one metadata file.
 
 Each rank writes ``shard-rank<r>.pt`` with its share of its stage's layers (the stage's
-layers dealt out among its replicas in turn, since every replica holds them alike): parameters
+layers dealt out among its replicas by bytes, since every replica holds them alike): parameters
 and, for layers that still train, their optimizer state, and beside it ``shard-rank<r>.json``,
 the shard's size, SHA-256 and the names of the layers it holds (the index by which a restoring
 rank reads only the shards of its own layers). Rank 0 also writes ``meta.json`` (epoch, step,
@@ -38,12 +38,32 @@ import torch
 
 from pt_ray.models.base import ModelAdapter, layer_module, layer_names
 
-__all__ = ["META", "damage", "latest_checkpoint", "load_layers", "load_parameters",
-           "read_meta", "read_shard", "usable_checkpoint", "write_meta", "write_shard"]
+__all__ = ["META", "damage", "deal_layers", "latest_checkpoint", "load_layers",
+           "load_parameters", "read_meta", "read_shard", "usable_checkpoint", "write_meta",
+           "write_shard"]
 
 logger = logging.getLogger(__name__)
 
 META = "meta.json"
+
+
+def deal_layers(weights: dict[str, int], num_replicas: int) -> list[list[str]]:
+    """Which of a stage's layers each of its replicas writes (every replica holds them all):
+    largest first, each to the replica with the fewest bytes so far, ties to the last one, so
+    that the shares come out within one layer's bytes of each other and replica 0 (whose rank 0
+    also writes the run's metadata) takes the smaller share of a tie. Each share keeps the
+    layers' order.
+
+    Args:
+        weights: bytes per layer, in the stage's order.
+        num_replicas: R.
+    """
+    loads, shares = [0] * num_replicas, [set() for _ in range(num_replicas)]
+    for name in sorted(weights, key=lambda n: -weights[n]):  # stable: ties keep their order
+        to = min(range(num_replicas), key=lambda k: (loads[k], -k))
+        loads[to] += weights[name]
+        shares[to].add(name)
+    return [[n for n in weights if n in share] for share in shares]
 
 
 def write_shard(

@@ -64,7 +64,7 @@ from pt_ray.data.sampler import (
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.core.plan import CostTable, Plan, is_trainable, replica_batch
 from pt_ray.runtime.cache import ActivationStore, training_sampler
-from pt_ray.runtime.checkpoint import load_layers, read_meta, write_shard
+from pt_ray.runtime.checkpoint import deal_layers, load_layers, read_meta, write_shard
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
 from pt_ray.runtime.memory import FIELDS, MemoryMeter, rank_memory
@@ -739,12 +739,14 @@ class ElasticWorker:
 
     def primary_layers(self) -> list[str]:
         """The layers this rank writes into checkpoints: every replica holds its stage's
-        layers alike, so the stage's layers are dealt out among its R replicas in turn and
-        each writes its share (with R = 2 a checkpoint costs each rank half the writing and
-        hashing that replica 0 alone would pay)."""
+        layers alike, so they are dealt out among the stage's R replicas by bytes
+        (:func:`pt_ray.runtime.checkpoint.deal_layers`; a trained layer weighs its parameters
+        three times, with AdamW's two moments) and each writes its share."""
         replica, stage = self.plan.coords(self.rank)
-        r = self.plan.num_replicas
-        return [n for i, n in enumerate(self.plan.stage_layers(stage)) if i % r == replica]
+        weights = {n: sum(p.numel() * p.element_size() for p in self.modules[n].parameters())
+                   * (3 if is_trainable(self.plan, n) else 1)
+                   for n in self.plan.stage_layers(stage)}
+        return deal_layers(weights, self.plan.num_replicas)[replica]
 
     def layer_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameters of :meth:`primary_layers`, detached copies on the CPU."""
@@ -757,7 +759,8 @@ class ElasticWorker:
         """Write this rank's part of a checkpoint: its primary layers' parameters and optimizer
         state, and the gradient norms gathered since the last decision."""
         layers: dict = {}
-        for name in self.primary_layers():
+        mine = self.primary_layers()
+        for name in mine:
             module = self.modules[name]
             entry = {"params": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
             if is_trainable(self.plan, name):
@@ -766,7 +769,7 @@ class ElasticWorker:
                     for st in collect_layer_state(self.optimizer, module)
                 ]
             layers[name] = entry
-        if self.primary_layers():
+        if mine:
             layers["__norms__"] = self.norms.state_dict()
         path = write_shard(directory, self.rank, layers)
         if self.fault is not None and self.fault.due("checkpoint", self.next_epoch - 1):

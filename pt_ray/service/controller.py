@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -152,14 +153,18 @@ class ControllerActor:
         self._state().submit_norms(decision, norms)
         await self._notify()
 
+    @ray.method(num_returns=2)
     async def end_interval(self, decision: int, norms: dict[int, float],
-                           rec: EpochRecord | None = None) -> Plan:
+                           rec: EpochRecord | None = None, with_state: bool = False
+                           ) -> tuple[Plan, dict[str, Any] | None]:
         """Rank 0's one call at the end of an interval: the epoch's record (if it ends one),
-        then the interval's merged norms, answered with the next decision's plan."""
+        then the interval's merged norms. Answered with the next decision's plan and, when the
+        epoch checkpoints (``with_state``), the state the checkpoint saves, as two objects."""
         if rec is not None:
             self._state().record(rec)
         await self.submit_norms(decision, norms)
-        return await self.plan_for(decision + 1)
+        plan = await self.plan_for(decision + 1)
+        return plan, self._state().state_dict() if with_state else None
 
     async def plan_for(self, decision: int) -> Plan:
         """The plan from ``decision`` on; waits until every rank's inputs are in."""
@@ -223,11 +228,16 @@ class RayController:
         name: the actor's name.
         timeout_s: the longest any call may wait, and the longest a lost controller may take
             to come back (``pipeline.collective_timeout_s``).
+        checkpoints_after: whether an epoch ends with a checkpoint (``RunConfig
+            .checkpoints_after``): rank 0 then asks for the checkpoint's state with the
+            epoch's norms, in the same call.
     """
 
-    def __init__(self, name: str, timeout_s: float = 3600.0) -> None:
+    def __init__(self, name: str, timeout_s: float = 3600.0,
+                 checkpoints_after: Callable[[int], bool] | None = None) -> None:
         self.actor = ray.get_actor(name)
         self.timeout_s = timeout_s
+        self.checkpoints_after = checkpoints_after or (lambda _epoch: False)
         self._setup_args: tuple | None = None
         self._record: EpochRecord | None = None  # rank 0's last record
         self._norms: tuple[int, dict[int, float]] | None = None  # rank 0's last norms
@@ -340,9 +350,13 @@ class RayController:
         if record is not None:
             self._record = record
         self._norms = (decision, norms)
+        with_state = record is not None and self.checkpoints_after(record.epoch)
+        plan, state = self.actor.end_interval.remote(decision, norms, record, with_state)
         self._early = {k: v for k, v in self._early.items() if k[0] != "plan_for"}
-        self._early[("plan_for", decision + 1)] = self.actor.end_interval.remote(
-            decision, norms, record)
+        self._early[("plan_for", decision + 1)] = plan
+        if with_state:
+            self._early = {k: v for k, v in self._early.items() if k[0] != "checkpoint_state"}
+            self._early[("checkpoint_state", decision + 1)] = state
 
     def record(self, rank: int, rec: EpochRecord) -> None:
         if rank == 0:  # every rank holds the same record
@@ -354,8 +368,10 @@ class RayController:
 
     def send_checkpoint_state(self, decision: int) -> None:
         """Ask now for what :meth:`checkpoint_state` will return, so that the round trip (and
-        the decision it waits for) overlaps the caller's writing of its shard."""
-        self._ask_ahead("checkpoint_state", decision)
+        the decision it waits for) overlaps the caller's writing of its shard; asked already
+        when the epoch's norms went with the question."""
+        if ("checkpoint_state", decision) not in self._early:
+            self._ask_ahead("checkpoint_state", decision)
 
     def checkpoint_state(self, decision: int) -> dict[str, Any]:
         """The controller's state once ``decision`` is made: what a checkpoint saves with the

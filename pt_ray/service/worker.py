@@ -153,7 +153,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     built_data = time.time()
     adapter = build_model_for(cfg, splits)
     built_model = time.time()
-    controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s)
+    controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s,
+                               checkpoints_after=cfg.checkpoints_after)
     device = _device(cfg)
     controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
                      adapter.metric_name, _hardware(cfg, device, rank),
