@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 import signal
 import subprocess
 import sys
@@ -153,10 +154,10 @@ def test_shards_come_back_bit_for_bit_and_earlier_formats_still_load(tmp_path):
     found, norms = load_layers(tmp_path / "new", ["blocks.0"])
     assert _same(found["blocks.0"], layers["blocks.0"]) and norms == {"sums": {0: 1.5, 1: 2.0},
                                                                        "steps": 4}
-    # The manifest's size and SHA-256 are the file's, hashed while it was written.
+    # The manifest's size and CRC-32 are the file's, taken while it was written.
     manifest = json.loads(path.with_suffix(".json").read_text())
     assert manifest["bytes"] == path.stat().st_size
-    assert manifest["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert manifest["crc32"] == zlib.crc32(path.read_bytes())
     # Every tensor's bytes start 64-byte aligned in the file: any dtype views them in place.
     data = path.read_bytes()
     for t in (layers["blocks.0"]["params"]["w"], layers["blocks.0"]["optim"][0]["exp_avg"]):
@@ -203,6 +204,15 @@ def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, 
     changed = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-07-00.000000", 1)
     other = write_shard(tmp_path / "other", 1, {"block1": {"params": {"w": torch.full((4,), 2.0)}}})
     (changed / "shard-rank1.pt").write_bytes(other.read_bytes())  # the same size
+    assert damage(changed) == "shard-rank1.pt does not match its CRC-32"
+    # A manifest written before CRC-32 holds the SHA-256, which is checked instead.
+    manifest = changed / "shard-rank1.json"
+    entry = json.loads(manifest.read_text())
+    data = (changed / "shard-rank1.pt").read_bytes()
+    del entry["crc32"]
+    manifest.write_text(json.dumps({**entry, "sha256": hashlib.sha256(data).hexdigest()}))
+    assert damage(changed) is None
+    manifest.write_text(json.dumps({**entry, "sha256": hashlib.sha256(b"x").hexdigest()}))
     assert damage(changed) == "shard-rank1.pt does not match its SHA-256"
 
     no_meta = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-08-00.000000", 1)
