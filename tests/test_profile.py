@@ -105,3 +105,71 @@ def test_profile_counts_what_each_layer_keeps_for_backward():
     assert costs.embed.saved_bytes is not None and costs.head.saved_bytes > 0
     # Counting left no gradient or graph behind.
     assert all(p.grad is None for p in adapter.model.parameters())
+
+
+def _count_forwards(blocks) -> list[int]:
+    calls = [0] * len(blocks)
+    for i, block in enumerate(blocks):
+        block.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+def test_identical_blocks_are_measured_once_for_their_group():
+    adapter = _vit()
+    calls = _count_forwards(adapter.blocks)
+    costs = profile_costs(adapter, _batch(), repeats=3)
+    # The first block: a warm-up, 3 timed passes and one counting its saved bytes; the others
+    # take its figures without running (their output is their input's size, as the first's).
+    assert calls == [5] + [0] * (DEPTH - 1)
+    assert len(set(costs.blocks)) == 1
+    assert costs.blocks[0].forward_s > 0 and costs.blocks[0].backward_s > 0
+
+
+class _Resize(torch.nn.Module):
+    """A block that changes its input's size (``[B, n_in] -> [B, n_out]``)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(self.fc(x)),)
+
+
+class _ResizingAdapter:
+    """embed -> [8 -> 4, 4 -> 8, 8 -> 4, 4 -> 8] -> head: the third and fourth blocks repeat
+    the first two's structures on inputs of the same sizes, but do not keep their size."""
+
+    family, input_names, metric_name = "test", ("x",), "accuracy"
+
+    def __init__(self) -> None:
+        self.embed = _Resize(6, 8)
+        self.blocks = torch.nn.ModuleList(
+            [_Resize(8, 4), _Resize(4, 8), _Resize(8, 4), _Resize(4, 8)])
+        self.head = torch.nn.Linear(8, 3)
+        self.model = torch.nn.ModuleList([self.embed, self.blocks, self.head])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(output, target)
+
+
+def test_blocks_that_resize_their_input_run_in_every_position():
+    from pt_ray.data.base import Batch
+
+    adapter = _ResizingAdapter()
+    calls = _count_forwards(adapter.blocks)
+    gen = torch.Generator().manual_seed(0)
+    batch = Batch(indices=torch.arange(5), inputs=(torch.randn(5, 6, generator=gen),),
+                  target=torch.tensor([0, 1, 2, 0, 1]))
+    costs = profile_costs(adapter, batch, repeats=3)
+    # Each structure's first block is measured in full; its later twin runs once more (warm),
+    # since the block after it needs its real output, and the pair shares one median time.
+    assert calls == [5, 5, 1, 1]
+    assert [c.activation_bytes for c in costs.blocks] == [4 * 4.0, 8 * 4.0] * 2
+    assert costs.blocks[0].forward_s == costs.blocks[2].forward_s
+    assert costs.blocks[1].backward_s == costs.blocks[3].backward_s
+    assert costs.head.activation_bytes == 3 * 4

@@ -5,15 +5,18 @@ timed on its own, on the current device, with the real input it sees in the mode
 on the batch, block ``i`` on block ``i-1``'s output, the head (with the loss) on the last block's
 output. Backward is timed as one ``autograd.grad`` call for the layer's input and parameter
 gradients. The median of a few repetitions after a warm-up is kept. Blocks of the same structure
-(class, parameter shapes and output size: every block of a ViT or a BERT) do the same work, so
-each takes the median over its group: noise on one block no longer moves a stage boundary. Only
-the first block of a group is repeated; the others are timed once each, with its kernels warm:
-L identical blocks take L + 4 passes (forward and backward, or forward alone to count bytes)
-with the default 3 repetitions, not 5 L, so profiling stays a small share of a run's start-up.
-Each layer's forward is also run once under :class:`pt_ray.runtime.memory.SavedActivations`,
-which counts the bytes autograd keeps for its backward (``LayerCost.saved_bytes``): the planner's
-memory estimate then uses the model's own figure, not a rule of thumb; blocks of one group keep
-the same bytes, so it is counted for the first of them.
+(class and parameter shapes, on an input of the same size: every block of a ViT or a BERT) do the
+same work, so only the first of a group is measured and the others take its figures: noise on
+one block cannot move a stage boundary, and L identical blocks cost 5 passes (a warm-up, 3
+timed, one counting bytes) with the default 3 repetitions, not L + 4, so profiling stays a small
+share of a run's start-up (0.20 -> 0.06 s on the 12-block ViT-Tiny shape, 16 samples, one CPU
+thread; ``bench/README.md``). A block that changes its input's size is timed once more in every
+later position (the next block's input is its real output), and blocks of a group measured more
+than once share their median time. Each layer's forward is also run once under
+:class:`pt_ray.runtime.memory.SavedActivations`, which counts the bytes autograd keeps for its
+backward (``LayerCost.saved_bytes``): the planner's memory estimate then uses the model's own
+figure, not a rule of thumb; blocks of one group keep the same bytes, so it is counted for the
+first of them.
 """
 
 from __future__ import annotations
@@ -143,27 +146,34 @@ def _profile(adapter: ModelAdapter, batch: Batch, repeats: int, prec: Precision)
                              embed_params, _sum_first)
     embed = LayerCost(f, b, _bytes(state) / n, _param_bytes(adapter.embed), saved / n)
     blocks = []
-    # The saved bytes of the first block of each structure (and input size): the rest of its
-    # group keeps the same tensors for backward.
-    first_of: dict[tuple, float] = {}
+    # The first block of each structure (and input size), measured: the rest of its group
+    # does the same work and keeps the same tensors for backward.
+    first_of: dict[tuple, LayerCost] = {}
+    preserves: dict[tuple, bool] = {}  # whether the first's output was its input's size
     for block in adapter.blocks:
         inp = _detach(state)
         params = [p for p in block.parameters() if p.requires_grad]
         key = (_structure(block), _bytes(inp))
         known = key in first_of
-        # The first block of a structure is timed `repeats` times after a warm-up; the others
-        # of its group once, with its kernels warm: their times are pooled into one median
-        # below, so more repetitions of each would buy little and cost start-up time.
+        if known and preserves[key]:
+            # Its output is the size of its input, as the first's was: the next block's input
+            # stays the first's output, and this block is not run at all.
+            blocks.append(replace(first_of[key], param_bytes=_param_bytes(block)))
+            continue
+        # The first block of a structure is timed `repeats` times after a warm-up; one that
+        # changes its input's size is also timed once, with its kernels warm, in each later
+        # position (the next needs its real output), and the times are pooled below.
         with _visiting(block, device):
             f, b, state = _time_layer(
                 lambda blk=block, x=inp: prec.cast_state(blk(*x)), inp, params, device,
                 1 if known else repeats, _sum_first, warmup=not known,
             )
-            if not known:
-                first_of[key] = _saved_bytes(
-                    lambda blk=block, x=inp: prec.cast_state(blk(*x)), params, _sum_first)
-        blocks.append(LayerCost(f, b, _bytes(state) / n, _param_bytes(block),
-                                first_of[key] / n))
+            saved = first_of[key].saved_bytes * n if known else _saved_bytes(
+                lambda blk=block, x=inp: prec.cast_state(blk(*x)), params, _sum_first)
+        cost = LayerCost(f, b, _bytes(state) / n, _param_bytes(block), saved / n)
+        if not known:
+            first_of[key], preserves[key] = cost, _bytes(state) == key[1]
+        blocks.append(cost)
     blocks = _pool_alike(adapter, blocks)
     inp = _detach(state)
     params = [p for p in adapter.head.parameters() if p.requires_grad]
