@@ -24,14 +24,15 @@ Arms:
                is the engine's tax (``--no-dp-arm``)
   peer         plain Ray Train DDP (``bench/peer_ddp.py``: ``TorchTrainer``, ``prepare_model``,
                a ``DistributedSampler``) on the same model and data, N workers; the headline
-               is pt-ray over it (``--no-peer-arm``)
+               is pt-ray over it (``--no-peer-arm``; ``--peer-order pt-ray`` trains it on
+               pt-ray's sample order instead, to tell the order's draw from the engine's)
 
 Writes ``<out>/compare.json`` and ``<out>/compare.png`` and prints a table. Usage:
 
     python bench/compare.py [--config FILE] [--set k=v ...] [--epochs N] [--repeats R]
                             [--out bench/out] [--ablation] [--no-cache-arm] [--no-dp-arm]
                             [--no-peer-arm] [--arms a,b,...] [--order abba|abab]
-                            [--warmup EPOCHS]
+                            [--warmup EPOCHS] [--peer-order distributed|pt-ray]
     python bench/compare.py --resummarise bench/out/compare.json --out bench/out
 """
 
@@ -58,7 +59,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from compare_output import write_report  # noqa: E402
 from compare_report import NO_FREEZE_ARMS, _med, bound_for  # noqa: E402
-from peer_ddp import check_config, run_peer  # noqa: E402
+from peer_ddp import SAMPLE_ORDERS, check_config, run_peer  # noqa: E402
 from pt_ray.api import default_config_path, fit, resolve_config  # noqa: E402
 
 ARM_OVERRIDES: dict[str, list[str]] = {
@@ -190,8 +191,9 @@ def time_split(start: float, end: float, ends: list[float], timeline: list[dict]
 
 
 def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
-            keep_checkpoints: bool) -> dict:
+            keep_checkpoints: bool, peer_order: str = "distributed") -> dict:
     """Run one arm once; returns its figures (times in seconds, accuracy as a fraction).
+    ``peer_order`` is the peer's sample order (``peer_ddp.SAMPLE_ORDERS``).
 
     ``fit_call_s`` is the whole call as its user waits for it (``pt_ray.fit``, or building and
     fitting the peer's ``TorchTrainer``); ``wall_time_s`` is pt-ray's own run wall time (after
@@ -211,7 +213,7 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
     with CheckpointWatcher(run_dir / "ray") as watcher:
         if arm == "peer":
             cfg = resolve_config(config, ovr)
-            result = run_peer(cfg, run_dir)
+            result = run_peer(cfg, run_dir, sample_order=peer_order)
             timeline, restarts, startup = result.timeline, 0, result.startup
         else:
             result = fit(config, overrides=ovr, output_dir=run_dir, on_epoch=lambda rec: None)
@@ -254,7 +256,8 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
     return rec
 
 
-def warm_up(arms: list[str], config: Any, overrides: list[str], out: Path) -> dict[str, dict]:
+def warm_up(arms: list[str], config: Any, overrides: list[str], out: Path,
+            peer_order: str = "distributed") -> dict[str, dict]:
     """Run every arm once, short and unmeasured, before the measured repeats.
 
     The first run in a fresh cluster and driver pays what later runs do not: Ray's first worker
@@ -264,7 +267,8 @@ def warm_up(arms: list[str], config: Any, overrides: list[str], out: Path) -> di
     """
     cold = {}
     for arm in arms:
-        rec = run_arm(arm, -1, config, overrides, out / "warmup", keep_checkpoints=False)
+        rec = run_arm(arm, -1, config, overrides, out / "warmup", keep_checkpoints=False,
+                      peer_order=peer_order)
         cold[arm] = {"fit_call_s": rec["fit_call_s"], "startup": rec["startup"],
                      "startup_s": rec["overhead_split"].get("startup_s")}
     shutil.rmtree(out / "warmup", ignore_errors=True)
@@ -316,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=argparse.SUPPRESS)  # the dp arm's old switch; it runs by default
     parser.add_argument("--no-peer-arm", action="store_true",
                         help="skip the peer (plain Ray Train DDP)")
+    parser.add_argument("--peer-order", choices=SAMPLE_ORDERS, default="distributed",
+                        help="the peer's training order: a DistributedSampler's (the standard "
+                             "way; default) or pt-ray's own (a diagnostic: the same batches as "
+                             "pt-ray's, so an accuracy gap is not the draw of the order)")
     parser.add_argument("--arms", default=None, metavar="A,B,...",
                         help=f"run exactly these arms (of {', '.join(ARM_OVERRIDES)}), in the "
                              "order above; overrides the other arm switches")
@@ -382,14 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         if args.warmup:
-            cold = warm_up(arms, config, [*overrides, f"epochs={args.warmup}"], args.out)
+            cold = warm_up(arms, config, [*overrides, f"epochs={args.warmup}"], args.out,
+                           args.peer_order)
         for repeat in range(args.repeats):
             # abba: odd repeats run the arms in reverse, so that drift and whatever a run leaves
             # behind for the next one fall on both arms alike.
             order = arms[::-1] if args.order == "abba" and repeat % 2 else arms
             for arm in order:
                 runs[arm].append(run_arm(arm, repeat, config, overrides, args.out,
-                                          args.keep_checkpoints))
+                                          args.keep_checkpoints, args.peer_order))
     finally:
         if started:
             import ray
@@ -411,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "cold_start": cold,
         "arms": arms,
         "arm_overrides": {a: ARM_OVERRIDES[a] for a in arms},
+        "peer_order": args.peer_order,
         "cache_mode": cfg.cache.mode,
         "metric_name": runs[arms[0]][0]["metric_name"],
         "source": source_info(args.label),

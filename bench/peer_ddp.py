@@ -16,6 +16,12 @@ summed) and rank 0 attaches a checkpoint of the model's ``state_dict`` to ``ray.
 which every rank calls every epoch (pt-ray's checkpoints also hold the optimizer state). As
 pt-ray's run does, Ray Train keeps the latest two checkpoints.
 
+For a diagnostic, ``sample_order="pt-ray"`` (``compare.py --peer-order pt-ray``) swaps the
+``DistributedSampler`` for pt-ray's own global order (:class:`PtRayOrder`: each step covers the
+samples pt-ray's step covers, this rank its contiguous share), so that the peer and pt-ray train
+on the same batches and an accuracy gap between them is not the draw of the order. The headline
+keeps the ``DistributedSampler``: it is what a Ray user writes.
+
 What is measurement, not training: the epoch's training time is taken around the training
 loop only; the ranks' times, losses and correct counts are combined with one ``all_reduce``
 after the loop; each report carries the epochs so far, so that the driver reads the whole
@@ -38,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from pt_ray.core.config import RunConfig
 from pt_ray.data.base import SampleDataset
@@ -46,7 +52,11 @@ from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.optim import lr_factor
 from pt_ray.runtime.build import build_model_for
 
-__all__ = ["PeerRun", "check_config", "run_peer", "train_loop_per_worker"]
+__all__ = ["SAMPLE_ORDERS", "PeerRun", "PtRayOrder", "check_config", "run_peer",
+           "train_loop_per_worker"]
+
+SAMPLE_ORDERS = ("distributed", "pt-ray")
+"""The peer's training order: a ``DistributedSampler``'s (the standard way), or pt-ray's."""
 
 
 def check_config(cfg: RunConfig) -> None:
@@ -82,6 +92,32 @@ class _Samples(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, inputs, target = self.split[index]
         return inputs[0], target
+
+
+class PtRayOrder(Sampler[int]):
+    """pt-ray's global sample order for one rank of the peer: per step, this rank's contiguous
+    share of the samples pt-ray's step covers (``GlobalSampler.replica_indices``), so that a
+    ``DataLoader`` with a batch of ``data.batch_size / N`` gives the rank pt-ray's replica
+    batches. ``set_epoch`` as a ``DistributedSampler``'s."""
+
+    def __init__(self, cfg: RunConfig, num_samples: int, rank: int, world: int) -> None:
+        # Imported here: the headline peer's module stays as light as a user's. The plain
+        # order, as pt-ray's without the cache (whose blocks would shape it).
+        from pt_ray.data.sampler import GlobalSampler
+
+        self.sampler = GlobalSampler(num_samples, cfg.data.batch_size, cfg.seed)
+        self.rank, self.world, self.epoch = rank, world, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch * (self.sampler.batch_size // self.world)
+
+    def __iter__(self):
+        for step in range(self.sampler.steps_per_epoch):
+            yield from self.sampler.replica_indices(self.epoch, step, self.rank,
+                                                    self.world).tolist()
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -126,7 +162,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
     Args:
-        config: ``{"run": RunConfig as a dict}``.
+        config: ``{"run": RunConfig as a dict, "sample_order": one of SAMPLE_ORDERS}``.
     """
     import ray.train
     import ray.train.torch
@@ -144,8 +180,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     per_worker = cfg.data.batch_size // world
     train = _Samples(splits.train)
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
+    if config.get("sample_order", "distributed") == "pt-ray":
+        sampler = PtRayOrder(cfg, len(train), rank, world)
+    else:
+        sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
     loader = DataLoader(train, batch_size=per_worker, sampler=sampler, drop_last=True,
                         num_workers=cfg.data.num_workers)
     eval_rows = range(rank, len(splits.eval), world)  # every sample once over the ranks
@@ -231,16 +270,18 @@ class PeerRun:
     startup: dict[str, float] = field(default_factory=dict)
 
 
-def run_peer(cfg: RunConfig, run_dir: Path) -> PeerRun:
+def run_peer(cfg: RunConfig, run_dir: Path, sample_order: str = "distributed") -> PeerRun:
     """Train ``cfg`` with the peer on the connected Ray cluster.
 
     Args:
         cfg: the run configuration (``pipeline.num_workers`` and ``cpus_per_worker`` size the
             worker group; freezing, pipeline and cache settings do not apply).
         run_dir: Ray Train's storage goes under ``run_dir/ray``, as pt-ray's does.
+        sample_order: ``"distributed"`` (a ``DistributedSampler``, the standard way) or
+            ``"pt-ray"`` (pt-ray's order, :class:`PtRayOrder`: a diagnostic).
 
     Raises:
-        ValueError: see :func:`check_config`.
+        ValueError: see :func:`check_config`; or an unknown ``sample_order``.
         ray.train.TrainingFailedError: the run failed.
     """
     import ray.cloudpickle
@@ -249,12 +290,14 @@ def run_peer(cfg: RunConfig, run_dir: Path) -> PeerRun:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     check_config(cfg)
+    if sample_order not in SAMPLE_ORDERS:
+        raise ValueError(f"sample_order={sample_order!r}: choose one of {', '.join(SAMPLE_ORDERS)}")
     # bench/ is not importable on Ray's workers: ship this module's code with the function.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     p = cfg.pipeline
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"run": cfg.model_dump(mode="json")},
+        train_loop_config={"run": cfg.model_dump(mode="json"), "sample_order": sample_order},
         scaling_config=ScalingConfig(num_workers=p.num_workers, use_gpu=False,
                                      resources_per_worker={"CPU": p.cpus_per_worker}),
         torch_config=TorchConfig(backend="gloo"),

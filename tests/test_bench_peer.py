@@ -205,3 +205,39 @@ def test_the_warm_up_runs_are_printed_as_the_cold_start_and_kept_out_of_the_medi
     assert lines[2].split()[:2] == ["pt-ray", "8.0"]
     assert "warm-up" not in "\n".join(compare_output.breakdown_lines(
         {**data, "cold_start": {}}))
+
+
+@pytest.mark.unit
+def test_the_peer_on_pt_rays_order_gets_pt_rays_batches(tmp_path):
+    from torch.utils.data import DataLoader
+
+    cfg = tiny_config(tmp_path, seed=3)
+    n, world, per_worker = 511, 2, 16
+    pt_ray_order = training_sampler(cfg, n, True)
+    loaders = []
+    for rank in range(world):
+        sampler = peer_ddp.PtRayOrder(cfg, n, rank, world)
+        loaders.append((sampler, DataLoader(range(n), batch_size=per_worker, sampler=sampler,
+                                            drop_last=True)))
+    for epoch in (0, 1):
+        for sampler, _ in loaders:
+            sampler.set_epoch(epoch)
+        batches = [list(loader) for _, loader in loaders]
+        # pt-ray's 15 steps per epoch; rank r's batch s is replica r's share of step s.
+        assert [len(b) for b in batches] == [pt_ray_order.steps_per_epoch] * world
+        for step in range(pt_ray_order.steps_per_epoch):
+            for rank in range(world):
+                assert batches[rank][step].tolist() == pt_ray_order.replica_indices(
+                    epoch, step, rank, world).tolist()
+    # Each epoch reshuffles, as a DistributedSampler with set_epoch does.
+    first = loaders[0][0]
+    first.set_epoch(0)
+    zero = list(first)
+    first.set_epoch(1)
+    assert list(first) != zero and len(zero) == len(first) == 15 * per_worker
+
+
+@pytest.mark.unit
+def test_the_peer_refuses_an_unknown_sample_order(tmp_path):
+    with pytest.raises(ValueError, match=r"sample_order='shuffled'.*distributed, pt-ray"):
+        peer_ddp.run_peer(tiny_config(tmp_path), tmp_path / "peer", sample_order="shuffled")
