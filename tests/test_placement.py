@@ -149,6 +149,32 @@ def test_autoscaler_detection(groups, types, pending, expected):
 # -- on a local cluster --------------------------------------------------------------------------
 
 
+@pytest.mark.unit
+def test_the_preemption_watcher_runs_only_where_a_node_can_be_drained(monkeypatch):
+    from pt_ray.service.trainer import _train_env, watches_preemption
+
+    one = {"CPU": 2.0}
+    assert not watches_preemption(view(one))
+    assert watches_preemption(view(one, one))  # another node may be drained
+    assert watches_preemption(view(one, autoscaler=True))  # it drains the nodes it removes
+    assert watches_preemption(ClusterView((), ()))  # the cluster could not be read
+
+    start, watcher = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+    monkeypatch.delenv(start, raising=False)
+    monkeypatch.delenv(watcher, raising=False)
+    with _train_env(30, watch_preemption=False):
+        assert (os.environ[start], os.environ[watcher]) == ("30", "0")
+    assert start not in os.environ and watcher not in os.environ  # set for the run only
+    with _train_env(30, watch_preemption=True):
+        assert watcher not in os.environ  # Ray Train's default: on
+    # What the user set is theirs.
+    monkeypatch.setenv(watcher, "1")
+    monkeypatch.setenv(start, "600")
+    with _train_env(30, watch_preemption=False):
+        assert (os.environ[start], os.environ[watcher]) == ("600", "1")
+    assert (os.environ[start], os.environ[watcher]) == ("600", "1")
+
+
 def tiny(tmp_path, **pipeline) -> dict:
     return {
         "name": "placement",
@@ -310,6 +336,7 @@ def test_ray_trains_own_wait_is_bounded_by_the_timeout(ray_cluster, tmp_path, mo
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
     monkeypatch.setattr(trainer, "wait_for_room", lambda *args: ClusterView((), ()))
     total, free = cpus()
     held = hold_cpus(free - 1)
@@ -328,6 +355,7 @@ def test_ray_trains_own_wait_is_bounded_by_the_timeout(ray_cluster, tmp_path, mo
     assert "(pipeline.placement_timeout_s=3)" in str(err.value)
     assert isinstance(err.value.__cause__, TrainingFailedError)
     assert "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S" not in os.environ  # set for the run only
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
 
 
 @pytest.mark.ray

@@ -29,7 +29,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from pt_ray.core.config import RunConfig
 from pt_ray.core.control import cache_policy
 from pt_ray.core.devices import DeviceChoice, choose_devices
-from pt_ray.core.placement import demand_for
+from pt_ray.core.placement import ClusterView, demand_for
 from pt_ray.service.cache import cache_name, create_owners, object_store_report, owners_report
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.placement import placement_failure, wait_for_room
@@ -50,6 +50,7 @@ _CONTROLLER_RESTARTS = 3
 # Ray Train 2.60's wait for its worker group's placement group, per attempt (default 60 s); a
 # timed-out attempt is a controller failure, retried up to FailureConfig.controller_failure_limit.
 _TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 def _free_port() -> int:
@@ -109,8 +110,7 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"),
             # A local cluster has no node to be preempted; the watcher's actor only logs a
             # core_worker error line at every run's start.
-            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get(
-                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0"),
+            _PREEMPTION_WATCHER_ENV: os.environ.get(_PREEMPTION_WATCHER_ENV, "0"),
         }},
         **spill,
     )
@@ -212,35 +212,51 @@ def run_on_ray(
         cfg = choice.apply(cfg)
         # An embedded cluster is sized for the run and has no autoscaler; a cluster pt-ray
         # attached to may be too small, or busy with other jobs.
-        autoscaler = False
+        autoscaler, watch = False, False
         if not embedded:
-            autoscaler = wait_for_room(demand_for(cfg.pipeline, choice.use_gpu),
-                                       cfg.pipeline.placement_timeout_s).autoscaler
+            view = wait_for_room(demand_for(cfg.pipeline, choice.use_gpu),
+                                 cfg.pipeline.placement_timeout_s)
+            autoscaler, watch = view.autoscaler, watches_preemption(view)
         if on_start is not None:
             on_start(cfg)
-        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from)
+        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch)
     finally:
         if started:
             ray.shutdown()
 
 
+def watches_preemption(view: ClusterView) -> bool:
+    """Whether Ray Train's preemption watcher has anything to watch on a cluster pt-ray
+    attached to: more than one node, or an autoscaler (which drains the nodes it removes).
+    On one node without an autoscaler, as on an embedded cluster, no node is drained while the
+    run lives, and the watcher would cost a Ray worker process at every start (1.1-1.9 s of
+    CPU on the 2-core testbed, ``bench/README.md``). A cluster whose resources could not be
+    read (``nodes_total`` empty) keeps it."""
+    return view.autoscaler or len(view.nodes_total) != 1
+
+
 @contextmanager
-def _train_start_timeout(seconds: float) -> Iterator[None]:
-    """Bound each of Ray Train's waits for its workers' placement group by ``seconds`` while
-    a ``TorchTrainer`` starts its controller (which takes the variable from this process's
-    environment), unless the user set the variable."""
-    if _TRAIN_START_TIMEOUT_ENV in os.environ:
-        yield
-        return
-    os.environ[_TRAIN_START_TIMEOUT_ENV] = f"{seconds:g}"
+def _train_env(placement_timeout_s: float, watch_preemption: bool) -> Iterator[None]:
+    """What a ``TorchTrainer``'s controller takes from this process's environment while it
+    starts (Ray Train passes these variables on to the controller and its workers): each wait
+    for the workers' placement group bounded by ``placement_timeout_s``, and without
+    ``watch_preemption`` no preemption watcher. A variable the user set is left alone; the
+    others are removed again afterwards."""
+    wanted = {_TRAIN_START_TIMEOUT_ENV: f"{placement_timeout_s:g}"}
+    if not watch_preemption:
+        wanted[_PREEMPTION_WATCHER_ENV] = "0"
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
     try:
         yield
     finally:
-        os.environ.pop(_TRAIN_START_TIMEOUT_ENV, None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
-         autoscaler: bool = False, resume_from: Path | None = None) -> RayRun:
+         autoscaler: bool = False, resume_from: Path | None = None,
+         watch_preemption: bool = True) -> RayRun:
     p = cfg.pipeline
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     # A lost controller comes back (Ray restarts it) and restores itself from the latest
@@ -297,7 +313,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     launched = time.time()  # beside the workers' time.time() of their start
     try:
         try:
-            with _train_start_timeout(p.placement_timeout_s):
+            with _train_env(p.placement_timeout_s, watch_preemption):
                 result = trainer.fit()
         except TrainingFailedError as err:
             # Ray Train's own wait for its workers (a race lost after the check, or a restart
