@@ -183,7 +183,9 @@ def test_profiling_brings_one_layer_at_a_time_to_the_gpu(cuda):
         module.register_forward_pre_hook(note(name))
     costs = profile_costs(adapter, gather(on_device(splits, cuda).train, list(range(8))))
     assert costs.num_layers == adapter.num_layers and costs.samples == 8
-    assert {name for name, _ in seen} == set(layers)
+    # The blocks after the first take its figures without running (identical ViT blocks).
+    assert {name for name, _ in seen} == {"embed", "block.0", "head"}
+    assert all(c == costs.blocks[0] for c in costs.blocks)
     if cuda.type == "cuda":  # on the CPU (the dry run) host and device are one
         # While a layer runs, it alone is on the GPU; afterwards the model is back on the host.
         assert all(on == [name] for name, on in seen)
