@@ -108,9 +108,6 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
             # default); with short epochs that floors an epoch's wall time at the interval.
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"),
-            # A local cluster has no node to be preempted; the watcher's actor only logs a
-            # core_worker error line at every run's start.
-            _PREEMPTION_WATCHER_ENV: os.environ.get(_PREEMPTION_WATCHER_ENV, "0"),
         }},
         **spill,
     )
