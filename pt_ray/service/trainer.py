@@ -109,6 +109,11 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"),
         }},
+        # Ray prestarts one idle worker per CPU for a cluster's first driver, with an empty
+        # runtime_env; every actor of a run here has one (this job's above, or Ray Train's
+        # own), so none could take them: they would only cost their start (1-2 s of CPU each
+        # on the 2-core testbed) while the run starts.
+        _system_config={"prestart_worker_first_driver": False},
         **spill,
     )
     logger.info("object store %.0f MiB; spills to %s when full", _LOCAL_OBJECT_STORE_BYTES / 2**20,
