@@ -120,4 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from pt_ray.cli import exit_quickly  # importable once main() has run
+
+    exit_quickly(code)

@@ -151,3 +151,25 @@ def test_ideal_speedup_of_a_literal_timeline():
     ]
     assert ideal_speedup(as_dicts) == pytest.approx(1.5)
     assert ideal_speedup([_record(0, 0)]) == 1.0
+
+
+def test_the_console_script_exits_without_collecting_what_it_loaded(monkeypatch):
+    import gc
+    import tomllib
+    from pathlib import Path
+
+    import pt_ray.cli as cli
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["pt-ray"] == "pt_ray.cli:console"
+    assert "console()" in (root / "pt_ray" / "cli" / "__main__.py").read_text()
+    assert "exit_quickly(code)" in (root / "jobs" / "train.py").read_text()
+    monkeypatch.setattr(cli, "main", lambda: 3)  # a command that ends with status 3
+    try:
+        with pytest.raises(SystemExit) as done:
+            cli.console()
+        assert done.value.code == 3
+        assert gc.get_freeze_count() > 0  # what is alive stays out of the last collections
+    finally:
+        gc.unfreeze()
