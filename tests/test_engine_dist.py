@@ -135,11 +135,18 @@ def test_pinned_pipeline_freezes_in_place_and_matches_reference():
 
 
 def test_step_interval_transitions_mid_epoch_match_reference():
+    # 6 steps an epoch, decisions at its steps 0 and 4: n = 0, 2, 3, 3, .. (ceil(4 (1 - 0.5^d))).
+    # Epoch 0 opens with nothing frozen and ends with 2 blocks frozen: the transition came at
+    # its step 4, in the middle of the epoch.
     cfg = config(VIT, "1f1b", 2, freeze={"policy": "schedule", "alpha": 0.5, "max_frozen": 3,
                                          "warmup_epochs": 0, "interval": "steps",
                                          "interval_steps": 4})
     results = run_ranks(train_rank, 2, cfg)
-    assert_same_parameters(results, cfg)
+    timeline = results[0][1]
+    assert [r.num_frozen for r in timeline] == [2, 3, 3]
+    assert timeline[0].transition_time_s > 0
+    ref_timeline = assert_same_parameters(results, cfg)
+    assert [r.num_frozen for r in ref_timeline] == [2, 3, 3]
 
 
 @pytest.mark.timeout(300)
@@ -280,6 +287,37 @@ def test_rollback_on_two_workers_equals_a_run_that_never_froze_that_block():
     merged_a = {k: v for states, *_ in run_a for k, v in states.items()}
     merged_b = {k: v for states, *_ in run_b for k, v in states.items()}
     assert set(merged_a) == set(merged_b)
+    worst = max(float((merged_a[n][k] - v).abs().max())
+                for n, sd in merged_b.items() for k, v in sd.items())
+    assert worst <= 1e-4, f"max abs parameter difference {worst:.3g}"
+    for ra, rb in zip(timeline, run_b[0][1]):
+        assert ra.train_loss == pytest.approx(rb.train_loss, abs=1e-4)
+
+
+def test_rollback_with_decisions_inside_epochs_returns_to_the_epoch_start():
+    # Decisions at steps 0 and 4 of each 6-step epoch; a half-epoch warm-up lets block 0 freeze
+    # at step 4 of epoch 0, blocks 1 and 2 at the start and at step 4 of epoch 1, whose scripted
+    # evaluation falls 30 points. Every rank restores its snapshot of epoch 1's start (one block
+    # frozen) and trains on without freezing more: run B, capped at one frozen block, is that.
+    metrics = {0: 0.5, 1: 0.2, 2: 0.6, 3: 0.7}
+    steps = {"interval": "steps", "interval_steps": 4, "warmup_epochs": 0.5}
+    a = config(VIT, "1f1b", 2, epochs=4,
+               freeze={"policy": "schedule", "alpha": 0.25, "max_frozen": 3, "rollback": True,
+                       **steps})
+    b = config(VIT, "1f1b", 2, epochs=4,
+               freeze={"policy": "schedule", "alpha": 0.25, "max_frozen": 1, **steps})
+    run_a = run_ranks(guarded_rank, 2, a, metrics)
+    run_b = run_ranks(guarded_rank, 2, b, metrics)
+    _, timeline, rollbacks, discarded = run_a[0]
+    assert [(r["epoch"], r["rollback_to"], r["num_frozen"], r["undone"]) for r in rollbacks] == [
+        (1, 1, 1, 3)]
+    assert [d[:2] for d in discarded] == [(1, 3)]
+    assert [(r.epoch, r.num_frozen) for r in timeline] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert run_b[0][2] == []
+    assert [(r.epoch, r.num_frozen, r.pipeline_length, r.num_replicas) for r in timeline] == [
+        (r.epoch, r.num_frozen, r.pipeline_length, r.num_replicas) for r in run_b[0][1]]
+    merged_a = {k: v for states, *_ in run_a for k, v in states.items()}
+    merged_b = {k: v for states, *_ in run_b for k, v in states.items()}
     worst = max(float((merged_a[n][k] - v).abs().max())
                 for n, sd in merged_b.items() for k, v in sd.items())
     assert worst <= 1e-4, f"max abs parameter difference {worst:.3g}"

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pt_ray.core.config import RunConfig, build_config
+from pt_ray.core.freeze import LOSS_KEY
 from pt_ray.data import DatasetSplits, GlobalSampler, TensorSampleDataset, synthetic_image
 from pt_ray.models import build_adapter, frozen_layer_names, layer_module
 from pt_ray.runtime.reference import ReferenceTrainer, evaluate
@@ -361,10 +362,10 @@ def test_accumulation_in_four_chunks_equals_the_whole_batch_across_a_freeze():
     ("warmup_epochs", "frozen_at_step", "epoch_end"),
     [
         # n(k) = ceil(4 (1 - 0.75^k)) = 0, 1, 2, 3, 3 (4 capped at L - 1 = 3).
-        (0, [0] * 3 + [1] * 3 + [2] * 3 + [3] * 7, [2, 3]),
-        # A one-epoch warm-up covers decisions 0-2 (steps 0-8): nothing freezes in epoch 0,
-        # then decision 3 at step 9 jumps to n(3) = 3.
-        (1, [0] * 9 + [3] * 7, [0, 3]),
+        (0, [0] * 3 + [1] * 3 + [2] * 2 + [3] * 8, [2, 3]),
+        # A one-epoch warm-up covers epoch 0's three decisions (steps 0-7): nothing freezes
+        # there, then decision 3, which opens epoch 1 at step 8, jumps to n(3) = 3.
+        (1, [0] * 8 + [3] * 8, [0, 3]),
     ],
 )
 def test_step_interval_decisions_freeze_mid_epoch_at_the_right_steps(
@@ -378,11 +379,15 @@ def test_step_interval_decisions_freeze_mid_epoch_at_the_right_steps(
         ),
     )
     trainer = ReferenceTrainer(cfg)
+    assert trainer.sampler.steps_per_epoch == 8
     calls: list[tuple[int, int, tuple[int, ...]]] = []  # (decision, global step, norm blocks)
     original_decide = trainer.policy.decide
 
     def decide(decision, num_frozen, grad_norms=None):
-        calls.append((decision, trainer.global_step, tuple(sorted(grad_norms or {}))))
+        blocks = tuple(sorted(k for k in grad_norms or {} if k != LOSS_KEY))
+        calls.append((decision, trainer.global_step, blocks))
+        if decision > 0:  # the interval's mean training loss comes with its norms
+            assert 0 < grad_norms[LOSS_KEY] < 10
         return original_decide(decision, num_frozen, grad_norms)
 
     trainer.policy.decide = decide
@@ -396,13 +401,18 @@ def test_step_interval_decisions_freeze_mid_epoch_at_the_right_steps(
     trainer.train_step = step
     timeline = trainer.fit()
 
-    # Decisions every 3 global steps across the epoch boundary, not per epoch (16 steps).
-    assert [(d, s) for d, s, _ in calls] == [(k, 3 * k) for k in range(6)]
-    # Freezes land on decision steps; steps 9-15 are epoch 1, so step 9 is mid-epoch.
+    # Each epoch opens with a decision and takes one more every 3 of its steps (its last
+    # interval, steps 6-7, closes at the epoch's end): decisions 0-2 at steps 0, 3, 6 and 3-5
+    # at steps 8, 11, 14.
+    steps = [8 * e + 3 * k for e in range(2) for k in range(3)]
+    assert [(d, s) for d, s, _ in calls] == list(enumerate(steps))
     assert seen_frozen == frozen_at_step
     assert [r.num_frozen for r in timeline] == epoch_end
+    # With no warm-up the prefix grows at steps 3 and 6, inside epoch 0, then as epoch 1 opens.
+    changes = [s for s in range(1, 16) if seen_frozen[s] != seen_frozen[s - 1]]
+    assert changes == ([3, 6, 8] if warmup_epochs == 0 else [8])
     # Each decision sees the norms of exactly the blocks active since the previous one.
-    active = [0] + [frozen_at_step[3 * k - 1] for k in range(1, 6)]
+    active = [0] + [frozen_at_step[steps[k] - 1] for k in range(1, 6)]
     assert [blocks for _, _, blocks in calls] == [
         () if k == 0 else tuple(range(active[k], L)) for k in range(6)
     ]

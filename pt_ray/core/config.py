@@ -148,9 +148,12 @@ class DataConfig(_Section):
 class FreezeConfig(_Section):
     """AutoFreeze: when leading blocks stop training."""
 
-    policy: Literal["converged", "paper", "schedule", "none"] = "converged"
-    """``converged``: freeze a leading block only once its gradient norm has converged (see
-    ``converge_ratio``), at most alpha of the active blocks per decision; ``paper``: the
+    policy: Literal["settled", "converged", "paper", "schedule", "none"] = "settled"
+    """``settled``: freeze a leading block once it has converged (as ``converged``) or, after
+    the training loss has reached a plateau (``plateau``), once its gradient norm has stopped
+    rising against its own level (``settle_tolerance``), at most alpha of the active blocks per
+    decision; ``converged``: freeze a leading block only once its gradient norm has converged
+    (see ``converge_ratio``), at most alpha of the active blocks per decision; ``paper``: the
     PipeTransformer paper's rule (the block whose norm fell most relative to its first is taken
     as converged, bounded by alpha); ``schedule``: the 2021 code's geometric schedule
     ``n(e) = ceil(L (1 - (1 - alpha)^e))``; ``none``: never freeze."""
@@ -158,26 +161,42 @@ class FreezeConfig(_Section):
     """Freeze threshold: at most this fraction of the still-active blocks freezes per decision."""
     max_frozen: int | None = Field(default=None, ge=0)
     """Most blocks that may ever be frozen (default: L - 1, so one block keeps training)."""
-    warmup_epochs: int | Literal["auto"] = "auto"
-    """Epochs at the start during which nothing freezes; ``auto``: a tenth of the run's epochs
-    (rounded up), so a long run waits longer."""
+    warmup_epochs: float | Literal["auto"] = "auto"
+    """Epochs at the start during which nothing freezes (a fraction of an epoch counts when
+    decisions come inside epochs; rounded up to whole decisions); ``auto``: a tenth of the
+    run, so a long run waits longer."""
     converge_ratio: float = Field(default=0.3, gt=0, lt=1)
-    """``converged`` only: a block has converged when its gradient norm has stayed at or below
-    this fraction of the largest norm it has had, for ``converge_window`` decisions."""
+    """``settled`` and ``converged``: a block has converged when its gradient norm has stayed
+    at or below this fraction of the largest norm it has had, for ``converge_window``
+    decisions."""
     converge_window: int = Field(default=2, ge=1)
-    """``converged`` only: consecutive decisions the convergence test must hold for."""
+    """``settled`` and ``converged``: consecutive decisions the convergence test must hold for;
+    ``settled`` also compares the last this many decisions' mean loss and norms with the ones
+    before."""
+    plateau: float = Field(default=0.01, gt=0, lt=1)
+    """``settled`` only: the training loss has reached a plateau when its mean over the last
+    ``converge_window`` decisions is at most this fraction of the run's first loss below its
+    mean over the ones before."""
+    settle_tolerance: float = Field(default=0.1, ge=0)
+    """``settled`` only: after the plateau, a block has settled when its mean gradient norm
+    over the last ``converge_window`` decisions is at most ``1 +`` this times its mean over
+    the ones before."""
     guard_points: float | None = Field(default=1.0, ge=0)
     """Accuracy guard: when the first evaluation after a freeze is more than this many points
     (100 x the metric) below the last one before it, freezing stops for the rest of the run;
     ``null`` turns the guard off."""
     rollback: bool = False
-    """With the guard's verdict, return to the state at the start of the harmful freeze's first
-    epoch (kept in memory at each freeze) and train on from there with that block active. Needs
-    ``interval=epoch``."""
-    interval: Literal["epoch", "steps"] = "epoch"
-    """Decide at every epoch boundary, or every ``interval_steps`` optimizer steps."""
+    """With the guard's verdict, return to the state at the start of the epoch in which the
+    harmful freeze happened (kept in memory at each epoch's start while blocks may still
+    freeze) and train on from there with those blocks active."""
+    interval: Literal["auto", "epoch", "steps"] = "auto"
+    """When decisions are taken: one opens every epoch, and with ``steps`` one more every
+    ``interval_steps`` optimizer steps inside it; ``auto``: per epoch in runs of 16 epochs or
+    more, else each epoch cut into ``ceil(16 / epochs)`` equal intervals (a short fine-tuning
+    run still gets 16 decisions), and per epoch for ``paper``, ``schedule`` and ``none`` (rules
+    written per epoch)."""
     interval_steps: int = Field(default=100, gt=0)
-    """Steps between decisions when ``interval=steps``."""
+    """Steps between the decisions inside an epoch when ``interval=steps``."""
 
 
 class PipelineConfig(_Section):
@@ -427,18 +446,14 @@ class RunConfig(_Section):
     """Folder under which the run writes ``<name>/config.yaml``, ``summary.json`` and more."""
 
     @property
-    def warmup_epochs(self) -> int:
-        """``freeze.warmup_epochs`` resolved: ``auto`` is a tenth of the epochs, rounded up."""
+    def warmup_epochs(self) -> float:
+        """``freeze.warmup_epochs`` resolved: ``auto`` is a tenth of the epochs."""
         w = self.freeze.warmup_epochs
-        return -(-self.epochs // 10) if w == "auto" else w
+        return self.epochs / 10 if w == "auto" else float(w)
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RunConfig:
         f = self.freeze
-        if f.rollback and f.interval != "epoch":
-            raise ValueError(
-                "freeze.rollback=true needs freeze.interval=epoch (a rollback returns to the "
-                "start of an epoch); set freeze.interval=epoch or freeze.rollback=false")
         if f.rollback and f.guard_points is None:
             raise ValueError(
                 "freeze.rollback=true needs the accuracy guard; set freeze.guard_points (e.g. 1.0) "

@@ -1,15 +1,17 @@
 """The controller's state machine: cost profiles and gradient norms in, one Plan per decision out.
 
 Pure module. The Ray controller actor wraps it (adding blocking waits and a name); tests and the
-process-group-only engine use it directly. Decisions are numbered: decision ``d`` is taken at the
-start of epoch ``d`` (or of the ``d``-th block of ``interval_steps`` steps) from the gradient norms
-that every rank gathered during interval ``d - 1``; every rank asks for decision ``d``'s plan and
-gets the same one, so all switch at the same step.
+process-group-only engine use it directly. Decisions are counted: one opens every epoch and,
+when decisions come every k steps (:func:`decision_interval`), one more follows every k steps
+inside it. Decision ``d`` is taken from the gradient norms that every rank gathered during
+interval ``d - 1`` (the steps since decision ``d - 1``; an epoch's end closes its last interval);
+every rank asks for decision ``d``'s plan and gets the same one, so all switch at the same step.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from statistics import median
@@ -27,6 +29,8 @@ __all__ = [
     "ControlState",
     "build_control_state",
     "cache_policy",
+    "decision_interval",
+    "decisions_per_epoch",
     "merge_costs",
     "policy_for",
     "start_pipeline_length",
@@ -272,8 +276,9 @@ class ControlState:
         epoch with the layout that trained the epoch before it (a new generation)."""
         v = self.guard.verdict
         q = v.freeze_epoch
-        # No rollback has happened yet, so decision q - 1 opened epoch q - 1.
-        base = self.plans[max(d for d in self.plans if d <= q - 1)]
+        # No rollback has happened yet, so the prefix only grew: the layout that trained the
+        # start of epoch q is the last plan with the prefix the guard restores.
+        base = self.plans[max(d for d, p in self.plans.items() if p.num_frozen == v.num_frozen)]
         plan = replace(base, generation=prev.generation + 1, rollback_to=q)
         self.plans[decision] = plan
         self.discarded += [r for r in self.timeline if r.epoch >= q]
@@ -370,16 +375,47 @@ def start_pipeline_length(cfg: RunConfig, num_layers: int, num_workers: int) -> 
                if num_workers % d == 0 and d <= max(num_layers, 1))
 
 
+def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
+    """Steps between the decisions inside an epoch, or None when only epochs start them.
+
+    ``freeze.interval=steps`` gives ``interval_steps``; ``auto`` decides per epoch in runs of at
+    least :data:`AUTO_DECISIONS` epochs, and in shorter runs cuts each epoch into
+    ``ceil(AUTO_DECISIONS / epochs)`` intervals, so that a fine-tuning run of a few epochs has
+    as many decisions as a long one. ``paper`` and ``schedule`` reproduce rules written per
+    epoch, and ``none`` decides nothing: ``auto`` is per epoch for them. An interval as long as
+    the epoch is per epoch.
+    """
+    f = cfg.freeze
+    if f.interval == "epoch" or (f.interval == "auto" and f.policy in PER_EPOCH_POLICIES):
+        return None
+    if f.interval == "steps":
+        k = f.interval_steps
+    else:
+        per_epoch = -(-AUTO_DECISIONS // cfg.epochs)
+        k = -(-steps_per_epoch // per_epoch)
+    return k if k < steps_per_epoch else None
+
+
+AUTO_DECISIONS = 16
+"""``freeze.interval=auto``: the fewest decisions a run gets (one per epoch in longer runs)."""
+
+PER_EPOCH_POLICIES = ("paper", "schedule", "none")
+"""Policies that ``freeze.interval=auto`` runs per epoch."""
+
+
+def decisions_per_epoch(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """Decisions each epoch opens or holds (the last interval may be shorter)."""
+    k = decision_interval(cfg, steps_per_epoch)
+    return 1 if k is None else -(-steps_per_epoch // k)
+
+
 def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
                pinned_length: int | None = None) -> FreezePolicy:
-    """The run's freeze policy. The warm-up is given in epochs (``auto``: a tenth of them); with
-    ``interval=steps`` it is converted to decision points (``ceil(warmup_epochs * steps_per_epoch / interval_steps)``).
-    With the pipeline pinned at K stages (``pipeline.elastic=false``) at most L - K blocks
-    freeze."""
+    """The run's freeze policy. The warm-up is given in epochs (``auto``: a tenth of the run)
+    and converted to decisions (``ceil(warmup_epochs * decisions per epoch)``). With the
+    pipeline pinned at K stages (``pipeline.elastic=false``) at most L - K blocks freeze."""
     f = cfg.freeze
-    warmup = cfg.warmup_epochs
-    if f.interval == "steps":
-        warmup = -(-warmup * steps_per_epoch // f.interval_steps)
+    warmup = math.ceil(cfg.warmup_epochs * decisions_per_epoch(cfg, steps_per_epoch) - 1e-9)
     max_frozen = f.max_frozen
     if pinned_length is not None and f.policy != "none":
         cap = num_layers - pinned_length
@@ -391,7 +427,8 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
             max_frozen = cap
     return build_freeze_policy(
         f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=max_frozen, warmup=warmup,
-        ratio=f.converge_ratio, window=f.converge_window,
+        ratio=f.converge_ratio, window=f.converge_window, plateau=f.plateau,
+        tolerance=f.settle_tolerance,
     )
 
 
@@ -456,7 +493,7 @@ def build_control_state(
             planner.memory_budget = max(planner.stage_memory(planner.initial_plan()))
         return planner
 
-    label = "epoch" if cfg.freeze.interval == "epoch" else "interval"
+    label = "epoch" if decision_interval(cfg, steps_per_epoch) is None else "decision"
     guard = FreezeGuard(cfg.freeze.guard_points if cfg.freeze.policy != "none" else None,
                         cfg.freeze.rollback)
     return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard)

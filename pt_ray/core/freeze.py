@@ -6,7 +6,12 @@ plus blocks ``0..n-1``; ``n`` never decreases.
 
 Policies:
 
-* ``converged`` (the default): freeze only what has converged. A block passes its convergence
+* ``settled`` (the default): ``converged``'s test, or, once the run's training loss has stopped
+  falling (a plateau), a block whose gradient norm has stopped rising against its own level; the
+  frozen prefix grows over the leading blocks that pass, by at most ``ceil(alpha * active)``
+  blocks per decision. It freezes what a from-scratch run has converged and what a fine-tuned
+  pretrained model has settled, and nothing while the run still learns.
+* ``converged``: freeze only what has converged. A block passes its convergence
   test when its gradient norm has stayed at or below ``ratio`` of the largest norm it has had
   for ``window`` consecutive decisions; the frozen prefix grows over the leading blocks that
   pass (it stays contiguous), by at most ``ceil(alpha * active)`` blocks per decision.
@@ -35,10 +40,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = [
+    "LOSS_KEY",
     "ConvergedFreeze",
+    "SettledFreeze",
     "FreezeDecision",
     "FreezeGuard",
     "GuardVerdict",
@@ -54,6 +61,10 @@ __all__ = [
 
 # Rounding guard: alpha * L in floating point (e.g. (1 - 1/3) ** 3) must not round 4.0000001 up.
 _EPS = 1e-9
+
+LOSS_KEY = -1
+"""The key under which a decision's inputs carry the interval's mean training loss, beside the
+per-block gradient norms (block indices are never negative)."""
 
 
 @dataclass(frozen=True)
@@ -90,8 +101,9 @@ class FreezePolicy(Protocol):
             decision: index of this decision point (the epoch, or the k-step interval count);
                 decision 0 is the start of training.
             num_frozen: the current frozen-prefix length.
-            grad_norms: per active block index, the gradient norm accumulated since the last
-                decision (after the data-parallel reduction). Only ``paper`` uses it.
+            grad_norms: per active block index, the mean gradient norm since the last
+                decision (after the data-parallel reduction), and under :data:`LOSS_KEY` the
+                mean training loss over the same steps.
         """
         ...
 
@@ -274,12 +286,113 @@ class ConvergedFreeze(_Base):
         self.history = {int(k): [float(x) for x in v] for k, v in state["history"].items()}
 
 
-POLICIES = ("converged", "paper", "schedule", "none")
+@dataclass
+class SettledFreeze(ConvergedFreeze):
+    """Freezes the leading blocks that have converged, or that have settled once the run has
+    stopped learning, at most alpha of the active ones per decision.
+
+    Two tests, each judged on a block's own history (one mean gradient norm per decision):
+
+    1. converged (:class:`ConvergedFreeze`'s test): the norm has stayed at or below ``ratio``
+       of its peak for ``window`` decisions, as when a from-scratch run has fit its data;
+    2. settled: the run's training loss has reached a plateau, falling over the last
+       ``window`` decisions by at most ``plateau`` of the run's first recorded loss against the
+       ``window`` decisions before, and the block's mean norm over the last ``window``
+       decisions is at most ``1 + tolerance`` times its mean over the ``window`` before.
+
+    A fine-tuned pretrained block seldom falls to a fraction of its peak: its norm rises while
+    the fresh head grows, then holds its level while the loss still falls. Holding its level
+    alone does not make it safe to freeze (it still learns), so the second test also waits for
+    the loss. The loss is measured on the scale of the run's first loss, so that a loss that
+    keeps halving near zero (a from-scratch run fitting its data) counts as a plateau.
+
+    Args (beyond :class:`ConvergedFreeze`'s):
+        plateau: the largest fall of the windowed mean loss, as a fraction of the first loss,
+            that counts as a plateau.
+        tolerance: how far a settled block's windowed mean norm may rise.
+    """
+
+    plateau: float = 0.01
+    tolerance: float = 0.1
+    name: Literal["settled"] = "settled"
+    losses: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.plateau < 1:
+            raise ValueError(f"freeze.plateau={self.plateau} must lie in (0, 1)")
+        if self.tolerance < 0:
+            raise ValueError(f"freeze.settle_tolerance={self.tolerance} must be non-negative")
+
+    def plateaued(self) -> bool:
+        """Whether the training loss has stopped falling on the scale of its first value."""
+        w, seen = self.window, self.losses
+        if len(seen) < 2 * w or seen[0] <= 0:
+            return False
+        before = sum(seen[-2 * w:-w]) / w
+        now = sum(seen[-w:]) / w
+        return before - now <= self.plateau * seen[0]
+
+    def settled(self, layer: int) -> bool:
+        """Whether ``layer``'s norm has stopped rising against its own level."""
+        w, seen = self.window, self.history.get(layer, [])
+        if len(seen) < 2 * w:
+            return False
+        return sum(seen[-w:]) <= (1 + self.tolerance) * sum(seen[-2 * w:-w])
+
+    def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
+        loss = (grad_norms or {}).get(LOSS_KEY)
+        if loss is not None and math.isfinite(loss):
+            self.losses.append(float(loss))
+        bound = min(
+            self.num_layers, num_frozen + _ceil(self.alpha * (self.num_layers - num_frozen))
+        )
+        for layer, norm in sorted((grad_norms or {}).items()):
+            if layer >= num_frozen and math.isfinite(norm):
+                self.history.setdefault(layer, []).append(float(norm))
+        if decision < self.warmup:
+            return FreezeDecision(num_frozen, bound, f"warm-up (decision {decision})")
+        flat = self.plateaued()
+        passed, how = num_frozen, []
+        while passed < self.num_layers:
+            if self.converged(passed):
+                how.append("converged")
+            elif flat and self.settled(passed):
+                how.append("settled")
+            else:
+                break
+            passed += 1
+        new = self._clamp(decision, num_frozen, min(bound, passed))
+        loss_now = (f"loss {self.losses[-1]:.4g}, {'a plateau' if flat else 'still falling'}"
+                    if self.losses else "no loss yet")
+        if passed == num_frozen:
+            layer = num_frozen
+            seen = self.history.get(layer, [])
+            now = f"{seen[-1] / max(seen):.3f} of its peak" if seen and max(seen) > 0 else "no norm"
+            reason = f"block {layer} has neither converged nor settled ({now}; {loss_now})"
+        else:
+            kinds = ", ".join(f"{k} {how.count(k)}" for k in ("converged", "settled")
+                              if k in how)
+            reason = (f"blocks {num_frozen}..{passed - 1} passed ({kinds}; {loss_now}); frozen "
+                      f"{num_frozen} -> {new} (bound {bound}, cap {self.max_frozen})")
+        return FreezeDecision(new, bound, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's memory (norm histories and losses), for checkpoints."""
+        return {**super().state_dict(), "losses": list(self.losses)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        super().load_state_dict(state)
+        self.losses = [float(x) for x in state.get("losses", [])]
+
+
+POLICIES = ("settled", "converged", "paper", "schedule", "none")
 """The freeze policies, the default first."""
 
 
 def build_freeze_policy(
-    policy: Literal["converged", "paper", "schedule", "none"],
+    policy: Literal["settled", "converged", "paper", "schedule", "none"],
     *,
     num_layers: int,
     alpha: float,
@@ -287,7 +400,9 @@ def build_freeze_policy(
     warmup: int = 1,
     ratio: float = 0.3,
     window: int = 2,
-) -> ConvergedFreeze | PaperFreeze | ScheduleFreeze | NoFreeze:
+    plateau: float = 0.01,
+    tolerance: float = 0.1,
+) -> SettledFreeze | ConvergedFreeze | PaperFreeze | ScheduleFreeze | NoFreeze:
     """Build a policy from plain arguments (``num_layers`` comes from the model).
 
     Args:
@@ -296,8 +411,11 @@ def build_freeze_policy(
         alpha: the freeze threshold in (0, 1].
         max_frozen: most blocks ever frozen; None means ``L - 1``.
         warmup: decision points at the start during which nothing freezes.
-        ratio: ``converged`` only: the fraction of its peak gradient norm a block must reach.
-        window: ``converged`` only: consecutive decisions the test must hold for.
+        ratio: ``settled`` and ``converged``: the fraction of its peak gradient norm a block
+            must reach.
+        window: ``settled`` and ``converged``: consecutive decisions a test must hold for.
+        plateau: ``settled`` only: see :class:`SettledFreeze`.
+        tolerance: ``settled`` only: see :class:`SettledFreeze`.
     """
     cap = num_layers - 1 if max_frozen is None else max_frozen
     if cap > num_layers:
@@ -305,10 +423,13 @@ def build_freeze_policy(
             f"freeze.max_frozen={max_frozen} exceeds the model's {num_layers} blocks; "
             f"choose at most {num_layers}"
         )
-    classes = {"converged": ConvergedFreeze, "paper": PaperFreeze, "schedule": ScheduleFreeze,
-               "none": NoFreeze}
+    classes = {"settled": SettledFreeze, "converged": ConvergedFreeze, "paper": PaperFreeze,
+               "schedule": ScheduleFreeze, "none": NoFreeze}
     if policy not in classes:
         raise ValueError(f"freeze.policy={policy!r} is not one of {list(POLICIES)}")
+    if policy == "settled":
+        return SettledFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup,
+                             ratio=ratio, window=window, plateau=plateau, tolerance=tolerance)
     if policy == "converged":
         return ConvergedFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap,
                                warmup=warmup, ratio=ratio, window=window)

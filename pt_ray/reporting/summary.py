@@ -95,6 +95,8 @@ class EpochRecord:
             run for misses and advances, writes) over its measured forward per sample without
             it; 0 when the cache served nothing.
         memory: every rank's memory in the epoch, in rank order (:class:`RankMemory`).
+        mean_frozen: frozen blocks averaged over the epoch's steps (differs from
+            ``num_frozen`` when the prefix grew inside the epoch).
     """
 
     epoch: int
@@ -115,6 +117,7 @@ class EpochRecord:
     cache_objects: int = 0
     cache_cost_ratio: float = 0.0
     memory: tuple[RankMemory, ...] = ()
+    mean_frozen: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EpochRecord:
@@ -151,12 +154,14 @@ def ideal_speedup(timeline: list[EpochRecord] | list[dict], cached: bool = False
 
     Per sample an active block costs forward + backward (taken as 1 + 2 = 3 units) and a frozen
     one its forward (1 unit), or nothing when the cache serves it. The bound is the ratio of the
-    no-freeze cost to this run's cost, summed over epochs.
+    no-freeze cost to this run's cost, summed over epochs; an epoch whose prefix grew inside it
+    counts its frozen blocks averaged over its steps.
     """
     base = run = 0.0
     for rec in timeline:
         r = rec if isinstance(rec, dict) else asdict(rec)
-        n, total = r["num_frozen"], r["num_layers"]
+        n, total = r.get("mean_frozen"), r["num_layers"]
+        n = r["num_frozen"] if n is None else n
         base += 3.0 * total
         run += 3.0 * (total - n) + (0.0 if cached else 1.0 * n)
     return base / run if run else float("inf")

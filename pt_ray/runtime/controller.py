@@ -37,11 +37,6 @@ class Controller(Protocol):
         before the norms (the accuracy guard must see it before the next decision)."""
         ...
 
-    def record(self, rank: int, rec: EpochRecord) -> None:
-        """One epoch's record, when it does not go with its norms (decisions every k steps):
-        every rank calls it after the epoch; one copy is kept."""
-        ...
-
 
 class LocalController:
     """A controller without Ray: every rank keeps an identical :class:`ControlState` and feeds it
@@ -79,9 +74,6 @@ class LocalController:
         if record is not None:
             self.state.record(record)  # each rank's own copy of the state
         self.state.submit_norms(decision, norms)
-
-    def record(self, rank: int, rec: EpochRecord) -> None:
-        self.state.record(rec)  # each rank's own copy of the state
 
 
 def _costs_to_tensor(costs: CostTable) -> torch.Tensor:

@@ -24,11 +24,13 @@ One step:
 4. the optimizer (rebuilt at each plan over the layers trained here, their state carried)
    steps with the learning rate of the run's progress.
 
-After each epoch every rank reports its record (the accuracy guard reads the metric) before its
-norms. With ``freeze.rollback`` each rank keeps, at each freeze, a host copy of what it holds
-(parameters, optimizer state, step counters, random state); when the guard orders a rollback
-(a plan with ``rollback_to``), every rank restores that copy, enters the plan and trains that
-epoch again.
+Decisions are counted: one opens every epoch and, when decisions come inside epochs, one more
+follows every k steps. After each epoch every rank reports its record (the accuracy guard reads
+the metric) with its last interval's norms and loss. With ``freeze.rollback`` each rank keeps,
+at the start of each epoch while blocks may still freeze, a host copy of what it holds
+(parameters, optimizer state, step counters, random state); when the guard orders a rollback (a
+plan with ``rollback_to``), every rank restores that copy, enters the plan and trains that epoch
+again.
 
 Every collective and point-to-point call of pt-ray's own goes through
 :class:`pt_ray.runtime.comm.Comm`, on the groups' device (CUDA for NCCL); DDP and the pipeline
@@ -43,6 +45,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 
@@ -52,7 +55,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from pt_ray.core.config import RunConfig
-from pt_ray.core.control import cache_policy
+from pt_ray.core.control import cache_policy, decision_interval
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
 from pt_ray.runtime.faults import FaultSwitch, kill_self
 from pt_ray.data.sampler import (
@@ -172,9 +175,13 @@ class ElasticWorker:
         self.lr = cfg.optimizer.lr  # the last step's learning rate
         self._epoch = 0
         self.next_epoch = 0
-        # Decision d opens epoch d - decision_shift (the shift grows by one at a rollback).
-        self.decision_shift = 0
+        # Decisions are counted: one opens each epoch, one more every `interval` steps inside
+        # it (decide every k steps), and the interval that an epoch's end closes feeds the
+        # next epoch's first. A rollback's plan is the next decision like any other.
+        self.decision = 0
+        self.interval = decision_interval(cfg, self.sampler.steps_per_epoch)
         self.snapshots: dict[int, dict] = {}
+        self.rolled_back = False
         self.norms = GradNormMeter()
         self._loss_weight = 1.0  # the current pass's share of the step (gradient accumulation)
         # The model stays on the host, where the adapter built it, until the first plan says
@@ -376,8 +383,10 @@ class ElasticWorker:
             self.norms.add_vector(self._block_index.first, block_norms)
         else:
             self.norms.add({})
+        share = loss / r if last else 0.0
+        self.norms.add_loss(share)
         self.optimizer.step()
-        return loss / r if last else 0.0
+        return share
 
     def _pass(self, chunk: np.ndarray, weight: float, sync: bool) -> torch.Tensor | float:
         """Forward and backward of this replica's share of ``chunk`` (the whole step without
@@ -435,18 +444,30 @@ class ElasticWorker:
         self.controller.submit_norms(interval, self.rank, norms, record)
         self.norms.reset()
 
-    def _decision_point(self, decision: int) -> float:
-        """Enter decision ``decision``'s plan. With ``interval=steps`` the norms of interval
-        ``decision - 1`` are submitted here first; per-epoch norms go at the end of each epoch.
-        With ``freeze.rollback``, a plan that freezes more is entered after a snapshot."""
-        if self.cfg.freeze.interval == "steps" and decision > 0:
-            rows = self.comm.gather_values(norm_row(self.norms.mean(), self.plan.num_layers))
-            self._submit_norms(decision - 1, merge_block_norms(rows))
-        plan = self.controller.plan_for(decision)
-        if (self.cfg.freeze.rollback and self.plan is not None
-                and plan.num_frozen > self.plan.num_frozen):
+    def _open_epoch(self) -> float:
+        """Enter the plan of the decision that opens the epoch (its norms went with the
+        previous epoch's record). With ``freeze.rollback``, while blocks may still freeze,
+        the epoch's starting state is kept first: a freeze anywhere in the epoch that the
+        guard finds harmful returns here."""
+        if self.cfg.freeze.rollback and self._may_freeze():
             self.snapshots[self._epoch] = self._snapshot()
-        return self.apply_plan(plan)
+        return self.apply_plan(self.controller.plan_for(self.decision))
+
+    def _may_freeze(self) -> bool:
+        """Whether a later decision could still grow the frozen prefix (no guard verdict has
+        stopped freezing, and the prefix is below its cap)."""
+        if self.rolled_back or self.plan is None:  # a rollback stops freezing for good
+            return not self.rolled_back
+        cap = self.cfg.freeze.max_frozen
+        return self.plan.num_frozen < (self.plan.num_layers - 1 if cap is None else cap)
+
+    def _decision_point(self) -> float:
+        """Inside an epoch, every ``interval`` steps: submit the interval's norms (merged over
+        the ranks) and enter the next decision's plan."""
+        rows = self.comm.gather_values(norm_row(self.norms.mean(), self.plan.num_layers))
+        self._submit_norms(self.decision, merge_block_norms(rows))
+        self.decision += 1
+        return self.apply_plan(self.controller.plan_for(self.decision))
 
     # -- the accuracy guard's rollback -----------------------------------------------------------
 
@@ -480,6 +501,7 @@ class ElasticWorker:
         ``plan`` (the layout that trained the epoch before it, as a new generation)."""
         snap = self.snapshots.pop(plan.rollback_to)
         self.snapshots.clear()
+        self.rolled_back = True
         self._ddp = None
         self.topo.destroy()
         self.plan = None
@@ -523,23 +545,19 @@ class ElasticWorker:
         return len(self.splits.train) // max(self._replicas_batch(), 1)
 
     def resume_decision(self) -> int:
-        """After an epoch: the decision point a resumed run starts from. Per epoch it is the next
-        epoch's (decided once every rank has submitted its norms); every k steps it is the last
-        one taken (the next is decided when training reaches it)."""
-        if self.cfg.freeze.interval == "steps":
-            return max(self.global_step - 1, 0) // self.cfg.freeze.interval_steps
-        return self.next_epoch + self.decision_shift
+        """After an epoch: the decision a resumed run starts from, the one that opens the next
+        epoch (decided once every rank has submitted the epoch's norms)."""
+        return self.decision
 
     def train_epoch(self, epoch: int) -> EpochRecord:
         """Train one epoch (entering the plans of its decision points) and evaluate."""
         cfg = self.cfg
-        by_steps = cfg.freeze.interval == "steps"
         self._epoch = epoch
-        decision = epoch + self.decision_shift
-        transition = 0.0 if by_steps else self._decision_point(decision)
+        transition = self._open_epoch()
         set_epoch(self.splits.train, epoch)
         order = self.sampler.epoch_order(epoch)
-        offset, steps = 0, 0
+        offset, steps, since = 0, 0, 0  # since: steps since the last decision
+        frozen_steps = 0
         loss_sum: torch.Tensor | float = 0.0
         self.memory.start_epoch()
         t0 = time.perf_counter()
@@ -547,13 +565,15 @@ class ElasticWorker:
         while offset + self._replicas_batch() <= len(order):
             if self.on_step is not None:
                 self.on_step(epoch, steps)
-            if by_steps and self.global_step % cfg.freeze.interval_steps == 0:
-                transition += self._decision_point(self.global_step // cfg.freeze.interval_steps)
+            if self.interval is not None and since == self.interval:
+                transition += self._decision_point()
+                since = 0
             size = self._replicas_batch()  # a decision may have changed R
             if offset + size > len(order):
                 break
             # Saved activations are counted on the epoch's last step (under the plan the record
             # reports), once per plan.
+            frozen_steps += self.plan.num_frozen
             last = offset + 2 * size > len(order)
             with self.memory.step(last and self.memory.due(self.plan.generation),
                                   self.plan.generation):
@@ -561,29 +581,29 @@ class ElasticWorker:
             loss_sum += loss
             offset += size
             steps += 1
+            since += 1
             if self.step_window is not None:
                 mark = self._step_report(epoch, steps, loss, size, mark)
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
             torch.cuda.synchronize(self.device)
         rec, norms = self._epoch_record(epoch, time.perf_counter() - t0, transition, loss_sum,
                                         steps, offset)
+        rec = replace(rec, mean_frozen=frozen_steps / max(steps, 1))
         self.next_epoch = epoch + 1
-        if by_steps:
-            self.controller.record(self.rank, rec)
-        else:
-            # Interval `epoch` ends here; its norms (after the record, which the accuracy guard
-            # reads) feed the next epoch's decision.
-            self._submit_norms(decision, norms, rec)
-            if cfg.freeze.rollback:
-                self._after_guard(decision + 1, evaluated=rec.eval_metric == rec.eval_metric)
+        # The epoch's last interval ends here; its norms (after the record, which the accuracy
+        # guard reads) feed the decision that opens the next epoch.
+        self._submit_norms(self.decision, norms, rec)
+        self.decision += 1
+        if cfg.freeze.rollback:
+            self._after_guard(evaluated=rec.eval_metric == rec.eval_metric)
         return rec
 
     def _epoch_record(self, epoch: int, epoch_time: float, transition: float,
                       loss_sum: torch.Tensor | float, steps: int, samples: int
                       ) -> tuple[EpochRecord, dict[int, float]]:
         """After an epoch's steps: evaluate (when due) and build, from one gather over the
-        ranks, the epoch's record and (with ``interval=epoch``) the interval's block norms
-        merged over the ranks, the same on every rank.
+        ranks, the epoch's record and its last interval's block norms merged over the ranks,
+        the same on every rank.
 
         Args:
             epoch: the epoch.
@@ -604,9 +624,9 @@ class ElasticWorker:
         evaluated = cfg.evaluates_after(epoch)
         correct, eval_time = self.count_correct() if evaluated else (0, 0.0)
         # One gather carries every figure of the epoch end: each rank's loss share, correct
-        # count, times, store figures and memory row, and (interval `epoch`) its block norms.
+        # count, times, store figures and memory row, and its last interval's block norms.
         mine = [float(loss_sum), float(correct), epoch_time, transition, *held, *memory]
-        norms = {} if cfg.freeze.interval == "steps" else self.norms.mean()
+        norms = self.norms.mean()
         rows = self.comm.gather_values(mine + norm_row(norms, self.plan.num_layers))
         loss_total, correct_total, held_bytes, held_objects = (
             sum(r[i] for r in rows) for i in (0, 1, 4, 5))
@@ -674,14 +694,13 @@ class ElasticWorker:
             window_steps=window_steps))
         return now
 
-    def _after_guard(self, decision: int, evaluated: bool) -> None:
+    def _after_guard(self, evaluated: bool) -> None:
         """With ``freeze.rollback``: take the next decision now, and roll back if the guard
         ordered it (else an evaluated epoch clears the snapshots: its freezes passed)."""
-        plan = self.controller.plan_for(decision)
+        plan = self.controller.plan_for(self.decision)
         if plan.rollback_to is not None and plan.generation != self.plan.generation:
             self._roll_back(plan)
             self.next_epoch = plan.rollback_to
-            self.decision_shift = decision - plan.rollback_to
         elif evaluated:
             self.snapshots.clear()
 
@@ -780,9 +799,9 @@ class ElasticWorker:
         """Run-level state after ``epoch`` (rank 0 writes it beside the shards)."""
         return {
             "epoch": epoch,
-            "decision_shift": self.decision_shift,
             "global_step": self.global_step,
             "samples_seen": self.samples_seen,
+            "rolled_back": self.rolled_back,
             "num_workers": self.world,
             "num_shards": self.world,  # every rank writes one, with its manifest
             "precision": self.precision.name,
@@ -793,7 +812,8 @@ class ElasticWorker:
         """Load a checkpoint and enter ``plan`` (decided for the resumed run, possibly for a
         different number of workers). Returns the first epoch to train."""
         meta = read_meta(directory)
-        self.decision_shift = meta.get("decision_shift", 0)
+        self.decision = meta["next_decision"]
+        self.rolled_back = bool(meta.get("rolled_back", False))
         self.global_step = meta["global_step"]
         self.samples_seen = meta["samples_seen"]
         if self.scaler is not None and "loss_scale" in meta:

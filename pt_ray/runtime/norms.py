@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pt_ray.core.freeze import LOSS_KEY
 from pt_ray.models.base import ModelAdapter
 
 __all__ = ["GradNormMeter", "block_grad_norms", "merge_block_norms", "norm_row"]
@@ -37,6 +38,14 @@ class GradNormMeter:
                 value = value.detach().double()
             self.sums[block] = self.sums[block] + value if block in self.sums else value
         self.steps += 1
+
+    def add_loss(self, value: torch.Tensor | float) -> None:
+        """The step's training loss (this rank's share of it), kept under
+        :data:`~pt_ray.core.freeze.LOSS_KEY` beside the norms; call it once for each step whose
+        norms were added."""
+        if torch.is_tensor(value):
+            value = value.detach().double()
+        self.sums[LOSS_KEY] = self.sums[LOSS_KEY] + value if LOSS_KEY in self.sums else value
 
     def add_vector(self, first: int, norms: torch.Tensor) -> None:
         """One step's norms of blocks ``first, first + 1, ..`` as one tensor (one addition per
@@ -84,21 +93,28 @@ def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, torch.Te
 
 
 def norm_row(norms: dict[int, float], num_layers: int) -> list[float]:
-    """A rank's mean block norms as one row of ``num_layers`` numbers for a gather across
-    ranks: NaN for the blocks this rank does not train."""
-    row = [math.nan] * num_layers
+    """A rank's mean block norms as one row of ``num_layers + 1`` numbers for a gather across
+    ranks: NaN for the blocks this rank does not train, then its share of the mean training
+    loss (0 where it has none)."""
+    row = [math.nan] * num_layers + [float(norms.get(LOSS_KEY, 0.0))]
     for block, value in norms.items():
-        row[block] = float(value)
+        if block != LOSS_KEY:
+            row[block] = float(value)
     return row
 
 
 def merge_block_norms(rows: Sequence[Sequence[float]]) -> dict[int, float]:
     """One norm per trained block from every rank's :func:`norm_row`, in rank order: the first
     rank that trains a block gives its value (a stage's replicas hold equal values, reduced
-    over their data-parallel group before the norms were taken)."""
+    over their data-parallel group before the norms were taken); the loss shares are summed
+    (last stages hold their replica's mean loss / R) under :data:`LOSS_KEY`."""
     merged: dict[int, float] = {}
+    loss = 0.0
     for row in rows:
-        for block, value in enumerate(row):
+        for block, value in enumerate(row[:-1]):
             if not math.isnan(value):
                 merged.setdefault(block, float(value))
+        loss += row[-1]
+    if merged:
+        merged[LOSS_KEY] = loss
     return merged

@@ -4,8 +4,9 @@ One process, no Ray, no process groups. It trains any adapter with a freeze poli
 the README describes, so that a pipeline x data-parallel run on the same data order must end
 with the same parameters:
 
-1. at each decision point (epoch start, or every k steps) the policy sees the per-block gradient
-   norms gathered since the last decision and returns ``num_frozen``;
+1. at each decision point (every epoch's start, and every k steps inside it when decisions come
+   inside epochs) the policy sees the per-block gradient norms and the mean training loss
+   gathered since the last decision and returns ``num_frozen``;
 2. newly frozen layers get ``requires_grad=False``, run in eval mode under ``no_grad`` and leave
    the optimizer with their state, while every other layer's optimizer state is untouched;
 3. each step takes the global sampler's indices, sets the learning rate from the run's progress
@@ -14,7 +15,7 @@ with the same parameters:
    the active gradients and steps;
 4. after each epoch the whole eval set is scored, and the accuracy guard sees the score: after a
    harmful freeze it stops freezing and, with ``freeze.rollback``, returns to the state kept at
-   the start of that freeze's first epoch and trains on from there.
+   the start of the epoch in which the prefix grew and trains on from there.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import accumulation_chunks
-from pt_ray.core.control import policy_for, start_pipeline_length
+from pt_ray.core.control import decision_interval, policy_for, start_pipeline_length
 from pt_ray.core.freeze import FreezeGuard, FreezePolicy
 from pt_ray.models.base import (
     ModelAdapter,
@@ -149,6 +150,10 @@ class ReferenceTrainer:
         self.guard = FreezeGuard(f.guard_points if f.policy != "none" else None, f.rollback)
         self.snapshots: dict[int, dict] = {}
         self.rollbacks: list[dict] = []
+        # Decisions are counted as the engine counts them: one opens each epoch, one more every
+        # `interval` steps inside it (None: per epoch).
+        self.decision = 0
+        self.interval = decision_interval(cfg, self.sampler.steps_per_epoch)
         self.discarded: list[EpochRecord] = []
         self._epoch = 0
         self._set_modes()
@@ -182,8 +187,6 @@ class ReferenceTrainer:
             self.policy.decide(decision, self.num_frozen, self.norms.mean()), before)
         self.norms.reset()
         if result.num_frozen != before:
-            if self.guard.rollback and self.cfg.freeze.interval == "epoch":
-                self.snapshots[self._epoch] = self._snapshot()
             self.freeze_to(result.num_frozen)
             logger.info(
                 "decision %d: frozen %d -> %d of %d blocks (%s)",
@@ -306,9 +309,11 @@ class ReferenceTrainer:
             if found_inf:  # skipped: no step, no norms
                 return loss
             self.norms.add({b: v / scale for b, v in scaled.items()})
+            self.norms.add_loss(loss)
             self.optimizer.step()
             return loss
         self.norms.add(block_grad_norms(a, range(n, a.num_layers)))
+        self.norms.add_loss(loss)
         if self.cfg.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip)
         self.optimizer.step()
@@ -320,16 +325,21 @@ class ReferenceTrainer:
         cfg = self.cfg
         transition = 0.0
         self._epoch = epoch
-        if cfg.freeze.interval == "epoch":
-            transition += self.decide(epoch)
+        if self.guard.rollback and not self.guard.stopped and self.num_frozen < self.policy.max_frozen:
+            # A freeze anywhere in this epoch that the guard finds harmful returns here.
+            self.snapshots[epoch] = self._snapshot()
+        transition += self.decide(self.decision)
         set_epoch(self.splits.train, epoch)
         steps = [self.sampler.step_indices(epoch, s) for s in range(self.sampler.steps_per_epoch)]
         losses = []
+        frozen_steps = 0
         t0 = time.perf_counter()
         mark = t0  # where the next step's wall time starts, for the step reports
         for batch in iterate_batches(self.splits.train, steps, cfg.data.num_workers):
-            if cfg.freeze.interval == "steps" and self.global_step % cfg.freeze.interval_steps == 0:
-                transition += self.decide(self.global_step // cfg.freeze.interval_steps)
+            if self.interval is not None and losses and len(losses) % self.interval == 0:
+                self.decision += 1
+                transition += self.decide(self.decision)
+            frozen_steps += self.num_frozen
             losses.append(self.train_step(batch))
             if self.step_window is not None:
                 now = time.perf_counter()
@@ -343,6 +353,7 @@ class ReferenceTrainer:
                         samples_per_s=samples_per_s, lr=self.lr, num_frozen=self.num_frozen,
                         window_s=window_s, window_steps=window_steps))
         train_time = time.perf_counter() - t0
+        self.decision += 1  # the epoch's last interval feeds the decision opening the next
         t1 = time.perf_counter()
         metric = float("nan")
         if cfg.evaluates_after(epoch):
@@ -365,6 +376,7 @@ class ReferenceTrainer:
             train_loss=float(np.mean(losses)) if losses else float("nan"),
             eval_metric=metric,
             eval_time_s=time.perf_counter() - t1,
+            mean_frozen=frozen_steps / max(len(losses), 1),
         )
 
     def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None) -> list[EpochRecord]:

@@ -173,6 +173,7 @@ class ControllerActor:
             return self._state().plan_for(decision)
 
     async def record(self, rec: EpochRecord) -> None:
+        """An epoch's record on its own (a recovering worker sends its last one again)."""
         self._state().record(rec)
 
     async def startup(self, figures: dict[str, float]) -> None:
@@ -242,29 +243,11 @@ class RayController:
         self._record: EpochRecord | None = None  # rank 0's last record
         self._norms: tuple[int, dict[int, float]] | None = None  # rank 0's last norms
         self._decision: int | None = None  # the decision whose plan this worker trains under
-        # Rank 0's record when it goes alone (decisions every k steps), sent without waiting:
-        # its answer is read once the next answer that follows it has come (the actor takes a
-        # caller's calls in order), or by the next plain call.
-        self._pending: list[ray.ObjectRef] = []
         # Answers asked for ahead, by (method, decision): the next plan once the interval's
         # norms are sent, and rank 0's checkpoint state (see send_checkpoint_state).
         self._early: dict[tuple[str, int], ray.ObjectRef] = {}
 
-    def _settle(self) -> None:
-        """Wait for the calls sent without waiting, in the order sent; a lost controller
-        recovers (which sends the last record and norms again)."""
-        pending, self._pending = self._pending, []
-        for ref in pending:
-            try:
-                ray.get(ref, timeout=self.timeout_s)
-            except _LOST as err:
-                logger.warning("controller lost (%s); waiting for it to come back",
-                               type(err).__name__)
-                self._recover()
-                return
-
     def _call(self, method: str, *args: Any) -> Any:
-        self._settle()
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
         except _LOST as err:
@@ -325,10 +308,8 @@ class RayController:
             except _LOST as err:
                 logger.warning("controller lost during %s (%s); waiting for it to come back",
                                method, type(err).__name__)
-                self._pending = []  # lost with it; the recovery sends them again
                 self._recover()
             else:
-                self._settle()  # sent before this answer: done by now
                 return value
         return self._call(method, decision)
 
@@ -357,11 +338,6 @@ class RayController:
         if with_state:
             self._early = {k: v for k, v in self._early.items() if k[0] != "checkpoint_state"}
             self._early[("checkpoint_state", decision + 1)] = state
-
-    def record(self, rank: int, rec: EpochRecord) -> None:
-        if rank == 0:  # every rank holds the same record
-            self._record = rec
-            self._pending.append(self.actor.record.remote(rec))
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
