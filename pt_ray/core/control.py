@@ -74,43 +74,31 @@ def transition_line(label: str, old: Plan, new: Plan) -> str:
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """What the activation cache may do in a run, and the sample order (from the config and
-    the dataset).
+    """What the activation cache may do in a run (from the config and the dataset).
 
     Attributes:
-        mode: ``off`` (never), ``on`` (whenever a block is frozen) or ``auto`` (when predicted
-            to pay).
-        order: the training order: ``blocks`` (cache blocks kept whole) or ``samples``.
-        reason: why the cache is so, in words, for the run log.
-        order_reason: why the order is so, in words.
+        mode: ``off`` (never), ``on`` (whenever a block is frozen) or ``auto`` (in the plans
+            where the planner predicts a gain).
+        reason: why, in words, for the run log.
     """
 
     mode: Literal["auto", "on", "off"]
-    order: Literal["blocks", "samples"]
     reason: str
-    order_reason: str = ""
 
     def describe(self) -> str:
-        """The decision as one log line (``sample order samples (...): ...; activation cache
-        off: ...``)."""
-        shape = "cache blocks kept whole" if self.order == "blocks" else "a plain permutation"
-        return (f"sample order {self.order} ({shape}): {self.order_reason}; activation cache "
-                f"{self.mode}: {self.reason}")
+        """The decision as one log line (``activation cache off: cache.mode=off``)."""
+        return f"activation cache {self.mode}: {self.reason}"
 
 
 def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
-    """Whether the cache may turn on in this run, and the sample order that follows.
+    """Whether the cache may turn on in this run.
 
     The cache is only valid when the frozen prefix sees the same input every epoch: with a random
     training transform it would freeze one augmented view, so it stays off unless the user opts
-    in. With ``cache.order=auto`` the block order (which changes the batches, and costs accuracy
-    on small datasets) is used only where the cache will turn on once a block freezes:
-    ``cache.mode=on``. ``cache.mode=auto`` decides by the costs the workers measure in the first
-    steps, after the order is fixed, and the reference trainer measures none, so it cannot
-    promise the cache before the first step: it caches only in runs that chose
-    ``cache.order=blocks``, and otherwise keeps the plain order and the cache off. The decision
-    is a function of the config and the dataset alone, so the reference trainer, every rank and
-    a resumed run agree on it.
+    in. It never changes the sample order (:func:`pt_ray.data.sampler.training_sampler`), so
+    ``cache.mode=auto`` leaves the choice to the planner, plan by plan, from the profiled costs.
+    The decision is a function of the config and the dataset alone, so the reference trainer,
+    every rank and a resumed run agree on it.
 
     Args:
         cfg: the run configuration.
@@ -118,34 +106,20 @@ def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
     """
     c, f = cfg.cache, cfg.freeze
     if c.mode == "off":
-        mode, reason = "off", "cache.mode=off"
-    elif f.policy == "none" or f.max_frozen == 0:
-        mode, reason = "off", (f"nothing ever freezes (freeze.policy={f.policy}, "
-                               f"max_frozen={f.max_frozen})")
-    elif not deterministic_transform and not c.allow_random_transform:
-        mode, reason = "off", (
+        return CachePolicy("off", "cache.mode=off")
+    if f.policy == "none" or f.max_frozen == 0:
+        return CachePolicy("off", f"nothing ever freezes (freeze.policy={f.policy}, "
+                                  f"max_frozen={f.max_frozen})")
+    if not deterministic_transform and not c.allow_random_transform:
+        return CachePolicy("off", (
             "the training transform is random (data.augment=true), so cached activations "
             "would keep one augmented view per sample; set cache.allow_random_transform=true "
-            "to cache anyway")
-    elif c.mode == "auto" and c.order != "blocks":
-        mode, reason = "off", (
-            f"cache.mode=auto caches only with cache.order=blocks (whether it pays is measured "
-            f"during the run, after the order is fixed), and cache.order={c.order} keeps the "
-            "plain order; set cache.order=blocks or cache.mode=on to cache")
-    else:
-        mode = c.mode
-        reason = ("cache.mode=on: on whenever a block is frozen" if mode == "on" else
-                  "cache.mode=auto: on when the planner predicts a gain")
-        if not deterministic_transform:
-            reason += " (random transform allowed by cache.allow_random_transform)"
-    if c.order != "auto":
-        order, why = c.order, f"cache.order={c.order}"
-    elif mode == "on":
-        order, why = "blocks", ("cache.order=auto, and the cache turns on with the first "
-                                "frozen block")
-    else:
-        order, why = "samples", "cache.order=auto, and the cache stays off"
-    return CachePolicy(mode, order, reason, why)
+            "to cache anyway"))
+    reason = ("cache.mode=on: on whenever a block is frozen" if c.mode == "on" else
+              "cache.mode=auto: on in the plans where the planner predicts a gain")
+    if not deterministic_transform:
+        reason += " (random transform allowed by cache.allow_random_transform)"
+    return CachePolicy(c.mode, reason)
 
 
 class ControlState:
