@@ -16,7 +16,12 @@ from pt_ray.costs.hwprofile import load_hardware
 from pt_ray.core.plan import CostTable, LayerCost, Planner
 from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy
 from pt_ray.runtime.cache import Segment, distinct_figures
-from pt_ray.runtime.prefix import CachedPrefix, gather_rows_on_device, gather_rows_on_host
+from pt_ray.runtime.prefix import (
+    CachedPrefix,
+    copied_whole,
+    gather_rows_on_device,
+    gather_rows_on_host,
+)
 from pt_ray.runtime.build import build_model_for
 
 pytestmark = pytest.mark.unit
@@ -455,24 +460,30 @@ def test_a_plain_order_step_gathers_its_rows_from_many_blocks(model):
 
 
 def test_device_gather_picks_the_rows_the_host_gather_picks():
-    # The GPU path copies whole segments and picks rows on the device; run it on the CPU here
-    # (bench/gpu_check.sh runs it on CUDA) against the numpy path, on bf16 and fp32 states.
+    # The GPU path copies dense segments whole and picks their rows on the device, and picks the
+    # rows of sparse ones on the host; run it on the CPU here (bench/gpu_check.sh runs it on
+    # CUDA) against the numpy path, on bf16 and fp32 states.
     rng = np.random.default_rng(0)
     segments = []
-    for block, rows in enumerate([5, 3, 7]):
+    for block, rows in enumerate([5, 3, 7, 40]):
         hidden = torch.randn(rows, 4, 6, dtype=torch.bfloat16)
         mask = torch.from_numpy(rng.integers(0, 2, (rows, 4)).astype(np.float32))
         arrays = tuple(to_numpy(t) for t in (hidden, mask))
         segments.append(Segment(block, 2, np.arange(rows, dtype=np.int64) + 10 * block,
                                 tuple(a for a, _ in arrays), tuple(d for _, d in arrays)))
-    seg = np.array([2, 0, 2, 2, 0, 0, 2], dtype=np.int64)  # segment 1 unused
-    pos = np.array([6, 4, 0, 3, 0, 2, 1], dtype=np.int64)
+    # Segment 1 unused; 0 and 2 serve most of their rows (copied whole), 3 two of its 40 (the
+    # plain order's case: picked on the host).
+    seg = np.array([2, 3, 0, 2, 2, 0, 3, 0, 2], dtype=np.int64)
+    pos = np.array([6, 31, 4, 0, 3, 0, 5, 2, 1], dtype=np.int64)
+    assert copied_whole(segments, seg) == [0, 2]
     host = gather_rows_on_host(segments, seg, pos)
     device = gather_rows_on_device(segments, seg, pos, torch.device("cpu"))
     assert [t.dtype for t in device] == [torch.bfloat16, torch.float32]
     for a, b in zip(host, device):
         assert torch.equal(a, b)
     assert torch.equal(device[0][0], from_numpy(segments[2].arrays[0], "bfloat16")[6])
+    assert torch.equal(device[0][1], from_numpy(segments[3].arrays[0], "bfloat16")[31])
+    assert torch.equal(device[1][6], from_numpy(segments[3].arrays[1], "float32")[5])
     # The result owns its memory: writing to it leaves the store's arrays alone.
     before = segments[2].arrays[1].copy()
     device[1].fill_(-1.0)
