@@ -9,6 +9,7 @@ import torch
 
 from pt_ray.core.config import ConfigError, build_config, load_config
 from pt_ray.core.control import build_control_state, cache_policy
+from pt_ray.costs.costmodel import CacheLayout, cache_read_factor
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler, training_sampler
@@ -127,17 +128,65 @@ def test_break_even_and_the_paper_planner_threshold():
 def test_paper_policy_modes_reach_the_plans():
     def plans(**cache):
         c = cfg(pipeline={"policy": "paper"}, cache=cache)
-        state = build_control_state(c, 6, 2, 4)
+        state = build_control_state(c, 6, 2, 4)  # 4 steps of 64: a cache of 256 rows of 5 MB
         for r in range(2):
             state.submit_costs(r, costs(5e6))
         p0 = state.plan_for(0)
         return [state.planner.next_plan(p0, n).cache for n in (1, 2, 4)]
 
-    # the break-even: 2 frozen blocks
-    assert plans(mode="auto") == [False, True, True]
+    # the break-even: 2 frozen blocks, where the 1.28 GB cache fits a worker's 2 GiB memo
+    memo = 2**31
+    assert plans(mode="auto", worker_memo_bytes=memo) == [False, True, True]
     assert plans(mode="on") == [True, True, True]
     assert plans(mode="off") == [False, False, False]
-    assert plans(mode="auto", min_frozen=4) == [False, False, True]
+    assert plans(mode="auto", min_frozen=4, worker_memo_bytes=memo) == [False, False, True]
+    # With the default 256 MiB memo a pass of 32 rows reads its 4 blocks of 64 whole, mostly
+    # from the store: 7.3 times the bytes, which never beats the forward.
+    assert plans(mode="auto") == [False, False, False]
+
+
+def test_cache_read_factor_counts_whole_blocks_past_the_memo():
+    c = costs(1e3)  # rows of 1 kB; 1000 samples in 100 blocks of 10: a 1 MB cache
+    assert cache_read_factor(c, 2, 16, None) == 1.0
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, None)) == 1.0
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 1e6)) == 1.0  # fits: 1x
+    touched = 100 * (1 - 0.99**16)                      # 14.85 distinct blocks per 16 rows
+    assert CacheLayout(1000, 10, 0).blocks_touched(16) == pytest.approx(touched)
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 0)) == pytest.approx(
+        1 + touched * 10 / 16)                          # every block read whole: 10.3x
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 5e5)) == pytest.approx(
+        1 + touched * 0.5 * 10 / 16)                    # the memo holds half of them
+
+
+def test_cost_planner_keeps_the_cache_off_where_whole_block_reads_cost_more_and_says_so():
+    hw = load_hardware("local-cpu")
+    c = costs(5e5)  # a 0.25 ms read per row against 3 ms of prefix at 2 frozen blocks
+    fits = CostModelPlanner(2, c, hw, batch_size=8, cache_layout=CacheLayout(1000, 64, 2**30))
+    tight = CostModelPlanner(2, c, hw, batch_size=8, cache_layout=CacheLayout(1000, 64, 2**20))
+    on = fits.next_plan(fits.initial_plan(), 2)
+    off = tight.next_plan(tight.initial_plan(), 2)
+    assert on.cache and not off.cache
+    assert fits.cache_reason(on).startswith("cache on at 2 frozen blocks: predicted ")
+    assert "; the whole cache (476.8 MiB) fits a worker's memo (1024 MiB)" in fits.cache_reason(on)
+    reason = tight.cache_reason(off)
+    assert reason.startswith("cache off at 2 frozen blocks: predicted ")
+    assert "the cache (476.8 MiB) outgrows a worker's memo (1 MiB, cache.worker_memo_bytes)" \
+        in reason and "blocks whole" in reason
+    # Without a layout (reads of the rows alone) the same costs cache.
+    assert CostModelPlanner(2, c, hw, batch_size=8).next_plan(on, 3).cache
+
+
+def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
+    caplog.set_level("INFO", logger="pt_ray.core.control")
+    c = cfg(freeze={"policy": "schedule", "alpha": 0.5, "warmup_epochs": 1},
+            cache={"worker_memo_bytes": 2**30})
+    state = build_control_state(c, 6, 2, 4)
+    for r in range(2):
+        state.submit_costs(r, costs(5e5))
+    state.submit_norms(0, {b: 1.0 for b in range(6)})
+    assert state.plan_for(1).num_frozen > 0 and state.plan_for(1).cache
+    lines = [r.getMessage() for r in caplog.records if "frozen blocks: " in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("epoch 1: cache on at ")
 
 
 def test_cost_planner_min_frozen_floor():

@@ -16,10 +16,11 @@ from statistics import median
 from typing import Any, Literal
 
 from pt_ray.core.config import RunConfig
+from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.core.freeze import FreezeGuard, FreezePolicy, build_freeze_policy
 from pt_ray.costs.hwprofile import HardwareProfile, load_hardware
-from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner, replica_batch
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
@@ -176,6 +177,8 @@ class ControlState:
                 plan = self.planner.next_plan(plan, first)
             self.plans[0] = plan
             logger.info("initial plan %s", plan.describe())
+            if plan.num_frozen:
+                logger.info("%s 0: %s", self.decision_label, self.planner.cache_reason(plan))
 
     def submit_norms(self, decision: int, norms: Mapping[int, float]) -> None:
         """The per-block gradient norms of every trained block during interval ``decision``
@@ -240,6 +243,8 @@ class ControlState:
         if plan is not prev:
             logger.info("%s (%s)", transition_line(f"{self.decision_label} {decision}", prev,
                                                    plan), result.reason)
+            logger.info("%s %d: %s", self.decision_label, decision,
+                        self.planner.cache_reason(plan))
 
     def _roll_back(self, decision: int, prev: Plan) -> None:
         """Order the guard's rollback: decision ``decision`` reopens the harmful freeze's first
@@ -398,6 +403,9 @@ def build_control_state(
     policy = policy_for(cfg, num_layers, steps_per_epoch,
                         pinned_length=None if p.elastic else k0)
     forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
+    # The samples an epoch trains on: the cache's rows, to within a batch.
+    layout = CacheLayout(steps_per_epoch * cfg.data.batch_size, cfg.cache.block_size,
+                         cfg.cache.worker_memo_bytes)
     budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
     if p.hardware != "auto":
         hardware = p.hardware
@@ -409,7 +417,8 @@ def build_control_state(
                            batch_policy=cfg.batch_policy, schedule=p.schedule,
                            initial_pipeline_length=k0, num_microbatches=forced_m,
                            memory_budget=budget,
-                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw),
+                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw, layout,
+                                                        num_workers),
                            elastic=p.elastic,
                            accumulation_steps=cfg.optimizer.accumulation_steps,
                            activation_checkpointing=p.activation_checkpointing)
@@ -421,7 +430,7 @@ def build_control_state(
             batch_policy=cfg.batch_policy, schedule=p.schedule,
             initial_pipeline_length=None if choose_start else k0,
             num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
-            cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
+            cache_min_frozen=cfg.cache.min_frozen or 1, cache_layout=layout, elastic=p.elastic,
             accumulation_steps=cfg.optimizer.accumulation_steps,
             activation_checkpointing=p.activation_checkpointing,
         )
@@ -436,18 +445,24 @@ def build_control_state(
     return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard)
 
 
-def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable,
-                      hw: HardwareProfile) -> int | None:
+def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw: HardwareProfile,
+                      layout: CacheLayout, num_workers: int) -> int | None:
     """The paper policy's cache threshold: every frozen depth (``on``), ``cache.min_frozen``,
-    or where a cache read first beats recomputing the prefix (``auto``)."""
+    or where a cache read first beats recomputing the prefix (``auto``; a read's rows are a
+    replica's share of a pass with every worker a replica, the most a read can be amplified)."""
     if mode == "off":
         return None
     if mode == "on":
         return 1
     if cfg.cache.min_frozen is not None:
         return cfg.cache.min_frozen
-    even = cache_break_even(costs, hw)
+    rows = replica_batch(cfg.data.batch_size, num_workers, cfg.batch_policy,
+                         cfg.optimizer.accumulation_steps)
+    even = cache_break_even(costs, hw, layout=layout, samples=rows)
     if even is not None:
         logger.info("cache.mode=auto: the cache turns on from %d frozen blocks, where a read "
                     "beats the prefix's forward", even)
+    else:
+        logger.info("cache.mode=auto: the cache stays off: no cache read beats the prefix's "
+                    "forward")
     return even
