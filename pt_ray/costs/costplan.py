@@ -301,6 +301,8 @@ class CostModelPlanner:
             return f"cache.mode={self.cache}"
         if num_frozen < self.cache_min_frozen:
             return f"fewer frozen blocks than cache.min_frozen={self.cache_min_frozen}"
+        if not fastest:
+            return "no layout fits the memory budget (the longest pipeline is kept)"
         if True not in fastest:
             return "no layout with the cache fits the memory budget"
         on, off = fastest[True], fastest.get(False)
