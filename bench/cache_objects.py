@@ -1,9 +1,10 @@
 """Object count and bytes of the activation cache for a synthetic run over many samples.
 
 Drives the real cache path (``CachedPrefix`` on each replica's stage 0, ``RayStore`` handles,
-one ``CacheActor`` owning the objects, the block-preserving order of ``CacheBlocks``) with a
-stand-in model: the "embedding" turns a sample index ``i`` into a ``[tokens, width]`` state
-filled with ``10 i`` and each "frozen block" adds 1, so every row read back can be checked.
+one ``CacheActor`` owning the objects, the run's plain order from ``GlobalSampler``, so a step's
+rows fall in up to ``batch`` of the ``CacheBlocks`` objects) with a stand-in model: the
+"embedding" turns a sample index ``i`` into a ``[tokens, width]`` state filled with ``10 i``
+and each "frozen block" adds 1, so every row read back can be checked.
 Each replica is a Ray actor (its own process) and takes its share of each global batch.
 Three epochs:
 
@@ -42,7 +43,7 @@ import ray
 import torch
 from torch import nn
 
-from pt_ray.data.sampler import CacheBlocks
+from pt_ray.data.sampler import CacheBlocks, GlobalSampler
 from pt_ray.runtime.prefix import CachedPrefix
 from pt_ray.service.cache import (
     CacheActor,
@@ -141,10 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
                 nodes[r % len(nodes)], soft=False)).remote(names, blocks, args.tokens, args.width)
                 for r in range(args.replicas)]
         epochs = []
+        sampler = GlobalSampler(args.samples, args.batch, seed=0)
         for epoch, level in enumerate((1, 2, 2)):
-            order = blocks.order(0, epoch)
-            steps = [order[s:s + args.batch] for s in range(0, len(order) - args.batch + 1,
-                                                             args.batch)]
+            steps = [sampler.step_indices(epoch, s) for s in range(sampler.steps_per_epoch)]
             shares = [[np.array_split(s, args.replicas)[r] for s in steps]
                       for r in range(args.replicas)]
             t0 = time.perf_counter()

@@ -17,7 +17,7 @@ Arms:
                freeze)
   pt-ray       the config as given (AutoFreeze on; K starts where the cost model predicts
                fastest, K = 1 and R = N for a model that fits one device, and only shrinks;
-               the default config keeps the cache off: freeze + AutoPipe + AutoDP)
+               the default config leaves the cache to the planner, ``cache.mode=auto``)
   cache        the config with ``cache.mode=on``: all four mechanisms (``--no-cache-arm``)
   dp           pt-ray without freezing at K=1: ``freeze.policy=none`` with
                ``pipeline.pipeline_length=1`` (R = N for the whole run); against the peer it

@@ -92,7 +92,7 @@ def tiny_config(out: Path, name: str, pipeline: dict[str, Any] | None = None, **
         "pipeline": {"num_workers": 2, "schedule": "1f1b", "policy": "paper",
                      **(pipeline or {})},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
-        "cache": {"block_size": 16, "order": "blocks"},
+        "cache": {"block_size": 16},
         "logging": {"progress": "off"},
         "epochs": 3,
         "output_dir": str(out),

@@ -1,5 +1,5 @@
-"""The activation cache without processes: blocks and their order, when the cache may turn on,
-the block store's bookkeeping, and stage 0's cached prefix against the plain one."""
+"""The activation cache without processes: its blocks in the run's plain order, when the cache
+may turn on, the block store's bookkeeping, and stage 0's cached prefix against the plain one."""
 
 from __future__ import annotations
 
@@ -9,20 +9,26 @@ import torch
 
 from pt_ray.core.config import ConfigError, build_config, load_config
 from pt_ray.core.control import build_control_state, cache_policy
+from pt_ray.costs.costmodel import CacheLayout, cache_read_factor
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.data.registry import build_dataset
-from pt_ray.data.sampler import CacheBlocks, GlobalSampler
+from pt_ray.data.sampler import CacheBlocks, GlobalSampler, training_sampler
 from pt_ray.costs.hwprofile import load_hardware
 from pt_ray.core.plan import CostTable, LayerCost, Planner
-from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy, training_sampler
+from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy
 from pt_ray.runtime.cache import Segment, distinct_figures
-from pt_ray.runtime.prefix import CachedPrefix, gather_rows_on_device, gather_rows_on_host
+from pt_ray.runtime.prefix import (
+    CachedPrefix,
+    copied_whole,
+    gather_rows_on_device,
+    gather_rows_on_host,
+)
 from pt_ray.runtime.build import build_model_for
 
 pytestmark = pytest.mark.unit
 
 
-# -- blocks and the block-preserving order ------------------------------------------------------
+# -- blocks in the plain order -------------------------------------------------------------------
 
 
 def test_blocks_are_random_groups_of_at_least_block_size_and_few():
@@ -33,36 +39,8 @@ def test_blocks_are_random_groups_of_at_least_block_size_and_few():
     members = np.concatenate(blocks.members)
     assert sorted(members.tolist()) == list(range(100_000))
     assert all((blocks.block_of[m] == b).all() for b, m in enumerate(blocks.members))
-    # Random membership, not index ranges: a dataset stored class by class still mixes.
-    assert np.ptp(blocks.members[0]) > 10_000
+    assert np.ptp(blocks.members[0]) > 10_000  # random membership, not index ranges
     assert CacheBlocks(10, 64, seed=0).num_blocks == 1
-
-
-def test_block_order_keeps_blocks_whole_and_reshuffles_each_epoch():
-    blocks = CacheBlocks(1000, 64, seed=3)
-    sampler = GlobalSampler(1000, 32, seed=3, blocks=blocks)
-    orders = [sampler.epoch_order(e).copy() for e in range(3)]
-    for order in orders:
-        assert sorted(order.tolist()) == list(range(1000))
-        runs = blocks.block_of[order]
-        # Each block appears as one contiguous run.
-        assert len(np.flatnonzero(np.diff(runs))) == blocks.num_blocks - 1
-    assert not np.array_equal(orders[0], orders[1])
-    # Blocks are reordered, and so are the samples within a block.
-    assert not np.array_equal(blocks.block_of[orders[0]], blocks.block_of[orders[1]])
-    first = blocks.block_of[orders[0][0]]
-    within = [o[blocks.block_of[o] == first] for o in orders]
-    assert not np.array_equal(within[0], within[1])
-    np.testing.assert_array_equal(GlobalSampler(1000, 32, 3, blocks=blocks).epoch_order(1),
-                                  orders[1])
-    # A step reads one or two blocks.
-    assert max(len(np.unique(blocks.block_of[sampler.step_indices(0, s)]))
-               for s in range(sampler.steps_per_epoch)) <= 2
-    with pytest.raises(ValueError, match="build CacheBlocks for this split"):
-        GlobalSampler(999, 32, 3, blocks=blocks)
-
-
-# -- when the cache may turn on -----------------------------------------------------------------
 
 
 def cfg(**sections):
@@ -71,52 +49,38 @@ def cfg(**sections):
     return build_config(base)
 
 
-def test_cache_policy_and_the_order_that_follows():
+def test_the_order_is_the_plain_permutation_cache_on_or_off():
+    plain = GlobalSampler(1000, 32, seed=3)
+    for cache in ({"mode": "on"}, {"mode": "auto"}, {"mode": "off"}, {"block_size": 8}):
+        sampler = training_sampler(cfg(data={"batch_size": 32}, seed=3, cache=cache), 1000)
+        for epoch in range(3):
+            np.testing.assert_array_equal(sampler.epoch_order(epoch), plain.epoch_order(epoch))
+    # So a step's samples fall in many cache blocks: about min(batch, blocks) of the 15 here.
+    blocks = CacheBlocks(1000, 64, seed=3)
+    touched = [len(np.unique(blocks.block_of[plain.step_indices(0, s)]))
+               for s in range(plain.steps_per_epoch)]
+    assert min(touched) >= 8 and max(touched) <= blocks.num_blocks == 15
+
+
+# -- when the cache may turn on -----------------------------------------------------------------
+
+
+def test_cache_policy_modes_and_reasons():
     on = cache_policy(cfg(cache={"mode": "on"}), deterministic_transform=True)
-    assert (on.mode, on.order) == ("on", "blocks")
-    off = cache_policy(cfg(cache={"mode": "off"}), True)
-    assert (off.mode, off.order) == ("off", "samples")
-    forced = cache_policy(cfg(cache={"mode": "off", "order": "blocks"}), True)
-    assert (forced.mode, forced.order) == ("off", "blocks")
+    assert on.mode == "on" and on.describe() == (
+        "activation cache on: cache.mode=on: on whenever a block is frozen")
+    assert cache_policy(cfg(cache={"mode": "off"}), True).describe() == (
+        "activation cache off: cache.mode=off")
     never = cache_policy(cfg(freeze={"policy": "none"}), True)
     assert never.mode == "off" and "nothing ever freezes" in never.reason
     random = cache_policy(cfg(), deterministic_transform=False)
-    assert random.mode == "off" and random.order == "samples"
-    assert "cache.allow_random_transform=true" in random.reason
-    opted = cache_policy(cfg(cache={"allow_random_transform": True, "order": "blocks"}), False)
-    assert opted.mode == "auto" and opted.order == "blocks" and "allow_random" in opted.reason
-
-
-def test_auto_keeps_the_plain_order_unless_the_cache_will_turn_on():
-    # cache.mode=auto decides by costs measured during the run, after the order is fixed: with
-    # cache.order=auto it keeps the plain permutation, and so the cache stays off.
-    auto = cache_policy(cfg(cache={"mode": "auto"}), deterministic_transform=True)
-    assert (auto.mode, auto.order) == ("off", "samples")
-    assert "set cache.order=blocks or cache.mode=on" in auto.reason
-    plain = cache_policy(cfg(cache={"mode": "auto", "order": "samples"}), True)
-    assert (plain.mode, plain.order) == ("off", "samples")
-    # Opting in to the block order lets the planner turn the cache on where it predicts a gain.
-    blocks = cache_policy(cfg(cache={"mode": "auto", "order": "blocks"}), True)
-    assert (blocks.mode, blocks.order) == ("auto", "blocks")
-    # mode=on turns it on with the first frozen block: auto takes the block order; an explicit
-    # samples order is kept.
-    on = cache_policy(cfg(cache={"mode": "on", "order": "samples"}), True)
-    assert (on.mode, on.order) == ("on", "samples")
-    # The library default (mode auto, order auto) in one log line that says which and why.
+    assert random.mode == "off" and "cache.allow_random_transform=true" in random.reason
+    opted = cache_policy(cfg(cache={"allow_random_transform": True}), False)
+    assert opted.mode == "auto" and "allow_random" in opted.reason
+    # The library default leaves the cache to the planner, plan by plan, in the plain order.
     assert cache_policy(build_config({}), True).describe() == (
-        "sample order samples (a plain permutation): cache.order=auto, and the cache stays "
-        "off; activation cache off: " + auto.reason)
-    assert cache_policy(cfg(cache={"mode": "on"}), True).describe() == (
-        "sample order blocks (cache blocks kept whole): cache.order=auto, and the cache turns "
-        "on with the first frozen block; activation cache on: cache.mode=on: on whenever a "
-        "block is frozen")
-
-
-def test_every_trainer_builds_the_order_the_policy_names():
-    for cache, blocks in (({"mode": "auto"}, False), ({"mode": "auto", "order": "blocks"}, True),
-                          ({"mode": "on"}, True), ({"mode": "off"}, False)):
-        sampler = training_sampler(cfg(cache=cache), 256, deterministic_transform=True)
-        assert (sampler.blocks is not None) == blocks, cache
+        "activation cache auto: cache.mode=auto: on in the plans where the planner predicts "
+        "a gain")
 
 
 def test_cache_config_reads_yaml_on_off_and_rejects_bad_values():
@@ -164,18 +128,65 @@ def test_break_even_and_the_paper_planner_threshold():
 def test_paper_policy_modes_reach_the_plans():
     def plans(**cache):
         c = cfg(pipeline={"policy": "paper"}, cache=cache)
-        state = build_control_state(c, 6, 2, 4)
+        state = build_control_state(c, 6, 2, 4)  # 4 steps of 64: a cache of 256 rows of 5 MB
         for r in range(2):
             state.submit_costs(r, costs(5e6))
         p0 = state.plan_for(0)
         return [state.planner.next_plan(p0, n).cache for n in (1, 2, 4)]
 
-    # the break-even: 2 frozen blocks
-    assert plans(mode="auto", order="blocks") == [False, True, True]
+    # the break-even: 2 frozen blocks, where the 1.28 GB cache fits a worker's 2 GiB memo
+    memo = 2**31
+    assert plans(mode="auto", worker_memo_bytes=memo) == [False, True, True]
     assert plans(mode="on") == [True, True, True]
     assert plans(mode="off") == [False, False, False]
-    assert plans(mode="auto", order="blocks", min_frozen=4) == [False, False, True]
-    assert plans(mode="auto") == [False, False, False]  # the plain order: no cache
+    assert plans(mode="auto", min_frozen=4, worker_memo_bytes=memo) == [False, False, True]
+    # With the default 256 MiB memo a pass of 32 rows reads its 4 blocks of 64 whole, mostly
+    # from the store: 7.3 times the bytes, which never beats the forward.
+    assert plans(mode="auto") == [False, False, False]
+
+
+def test_cache_read_factor_counts_whole_blocks_past_the_memo():
+    c = costs(1e3)  # rows of 1 kB; 1000 samples in 100 blocks of 10: a 1 MB cache
+    assert cache_read_factor(c, 2, 16, None) == 1.0
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, None)) == 1.0
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 1e6)) == 1.0  # fits: 1x
+    touched = 100 * (1 - 0.99**16)                      # 14.85 distinct blocks per 16 rows
+    assert CacheLayout(1000, 10, 0).blocks_touched(16) == pytest.approx(touched)
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 0)) == pytest.approx(
+        1 + touched * 10 / 16)                          # every block read whole: 10.3x
+    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 5e5)) == pytest.approx(
+        1 + touched * 0.5 * 10 / 16)                    # the memo holds half of them
+
+
+def test_cost_planner_keeps_the_cache_off_where_whole_block_reads_cost_more_and_says_so():
+    hw = load_hardware("local-cpu")
+    c = costs(5e5)  # a 0.25 ms read per row against 3 ms of prefix at 2 frozen blocks
+    fits = CostModelPlanner(2, c, hw, batch_size=8, cache_layout=CacheLayout(1000, 64, 2**30))
+    tight = CostModelPlanner(2, c, hw, batch_size=8, cache_layout=CacheLayout(1000, 64, 2**20))
+    on = fits.next_plan(fits.initial_plan(), 2)
+    off = tight.next_plan(tight.initial_plan(), 2)
+    assert on.cache and not off.cache
+    assert fits.cache_reason(on).startswith("cache on at 2 frozen blocks: predicted ")
+    assert "; the whole cache (476.8 MiB) fits a worker's memo (1024 MiB)" in fits.cache_reason(on)
+    reason = tight.cache_reason(off)
+    assert reason.startswith("cache off at 2 frozen blocks: predicted ")
+    assert "the cache (476.8 MiB) outgrows a worker's memo (1 MiB, cache.worker_memo_bytes)" \
+        in reason and "blocks whole" in reason
+    # Without a layout (reads of the rows alone) the same costs cache.
+    assert CostModelPlanner(2, c, hw, batch_size=8).next_plan(on, 3).cache
+
+
+def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
+    caplog.set_level("INFO", logger="pt_ray.core.control")
+    c = cfg(freeze={"policy": "schedule", "alpha": 0.5, "warmup_epochs": 1},
+            cache={"worker_memo_bytes": 2**30})
+    state = build_control_state(c, 6, 2, 4)
+    for r in range(2):
+        state.submit_costs(r, costs(5e5))
+    state.submit_norms(0, {b: 1.0 for b in range(6)})
+    assert state.plan_for(1).num_frozen > 0 and state.plan_for(1).cache
+    lines = [r.getMessage() for r in caplog.records if "frozen blocks: " in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("epoch 1: cache on at ")
 
 
 def test_cost_planner_min_frozen_floor():
@@ -326,7 +337,7 @@ def test_hits_advances_and_misses_equal_the_prefix_bit_for_bit(model):
     c, splits, adapter = model
     blocks = CacheBlocks(len(splits.train), 8, seed=0)
     prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"))
-    order = training_sampler(c, len(splits.train), True).epoch_order(0)
+    order = training_sampler(c, len(splits.train)).epoch_order(0)
     idx = order[:16]
     expect = {n: plain_prefix(adapter, splits.train.batch(idx.tolist()).inputs, n)
               for n in (2, 3)}
@@ -354,7 +365,7 @@ def test_hits_advances_and_misses_equal_the_prefix_bit_for_bit(model):
 def test_full_store_and_evicted_entries_are_misses_with_the_right_rows(model):
     c, splits, adapter = model
     blocks = CacheBlocks(len(splits.train), 8, seed=0)
-    idx = training_sampler(c, len(splits.train), True).epoch_order(0)[:16]
+    idx = training_sampler(c, len(splits.train)).epoch_order(0)[:16]
     want = plain_prefix(adapter, splits.train.batch(idx.tolist()).inputs, 2)
     tiny = CachedPrefix(adapter, InMemoryStore(budget_bytes=64), blocks, torch.device("cpu"))
     for _ in range(2):
@@ -378,7 +389,7 @@ def test_prefix_cost_accounting_splits_reads_compute_and_writes(model):
     c, splits, adapter = model
     blocks = CacheBlocks(len(splits.train), 8, seed=0)
     prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"))
-    idx = training_sampler(c, len(splits.train), True).epoch_order(0)[:16]
+    idx = training_sampler(c, len(splits.train)).epoch_order(0)[:16]
     run(prefix, splits, 2, idx)                            # misses: compute + writes
     prefix.store.flush()
     miss = prefix.reset()
@@ -467,25 +478,61 @@ def test_the_memo_keeps_at_most_its_bytes_dropping_the_least_recently_read(model
     assert none._memo == {}
 
 
+def test_a_plain_order_step_gathers_its_rows_from_many_blocks(model):
+    # Pieces written by many steps assemble into whole blocks; the next epoch's steps each read
+    # rows spread over most of the blocks and get the prefix bit for bit.
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)             # 6 blocks of 8
+    store = InMemoryStore()
+    prefix = CachedPrefix(adapter, store, blocks, torch.device("cpu"))
+    sampler = training_sampler(c, len(splits.train))              # 3 steps of 16
+    steps = [sampler.step_indices(0, s) for s in range(sampler.steps_per_epoch)]
+    assert min(len(np.unique(blocks.block_of[idx])) for idx in steps) >= 4
+    for s, idx in enumerate(steps):
+        run(prefix, splits, 2, idx)
+        if s == 0:
+            assert store.stats().objects == 0                     # no block is whole yet
+    assert store.stats().objects == blocks.num_blocks and store.stats().pending_bytes == 0
+    prefix.reset()
+    used = []
+    gather = prefix._gather
+    prefix._gather = lambda segments, seg, pos: used.append(len(np.unique(seg))) or gather(
+        segments, seg, pos)
+    for s in range(sampler.steps_per_epoch):
+        idx = sampler.step_indices(1, s)
+        state, loaded = run(prefix, splits, 2, idx)
+        assert loaded == []
+        want = plain_prefix(adapter, splits.train.batch(idx.tolist()).inputs, 2)
+        assert all(torch.equal(a, b) for a, b in zip(state, want))
+        assert used[-1] == len(np.unique(blocks.block_of[idx])) >= 4
+    assert prefix.reset().hits == len(splits.train)
+
+
 def test_device_gather_picks_the_rows_the_host_gather_picks():
-    # The GPU path copies whole segments and picks rows on the device; run it on the CPU here
-    # (bench/gpu_check.sh runs it on CUDA) against the numpy path, on bf16 and fp32 states.
+    # The GPU path copies dense segments whole and picks their rows on the device, and picks the
+    # rows of sparse ones on the host; run it on the CPU here (bench/gpu_check.sh runs it on
+    # CUDA) against the numpy path, on bf16 and fp32 states.
     rng = np.random.default_rng(0)
     segments = []
-    for block, rows in enumerate([5, 3, 7]):
+    for block, rows in enumerate([5, 3, 7, 40]):
         hidden = torch.randn(rows, 4, 6, dtype=torch.bfloat16)
         mask = torch.from_numpy(rng.integers(0, 2, (rows, 4)).astype(np.float32))
         arrays = tuple(to_numpy(t) for t in (hidden, mask))
         segments.append(Segment(block, 2, np.arange(rows, dtype=np.int64) + 10 * block,
                                 tuple(a for a, _ in arrays), tuple(d for _, d in arrays)))
-    seg = np.array([2, 0, 2, 2, 0, 0, 2], dtype=np.int64)  # segment 1 unused
-    pos = np.array([6, 4, 0, 3, 0, 2, 1], dtype=np.int64)
+    # Segment 1 unused; 0 and 2 serve most of their rows (copied whole), 3 two of its 40 (the
+    # plain order's case: picked on the host).
+    seg = np.array([2, 3, 0, 2, 2, 0, 3, 0, 2], dtype=np.int64)
+    pos = np.array([6, 31, 4, 0, 3, 0, 5, 2, 1], dtype=np.int64)
+    assert copied_whole(segments, seg) == [0, 2]
     host = gather_rows_on_host(segments, seg, pos)
     device = gather_rows_on_device(segments, seg, pos, torch.device("cpu"))
     assert [t.dtype for t in device] == [torch.bfloat16, torch.float32]
     for a, b in zip(host, device):
         assert torch.equal(a, b)
     assert torch.equal(device[0][0], from_numpy(segments[2].arrays[0], "bfloat16")[6])
+    assert torch.equal(device[0][1], from_numpy(segments[3].arrays[0], "bfloat16")[31])
+    assert torch.equal(device[1][6], from_numpy(segments[3].arrays[1], "float32")[5])
     # The result owns its memory: writing to it leaves the store's arrays alone.
     before = segments[2].arrays[1].copy()
     device[1].fill_(-1.0)

@@ -104,6 +104,21 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(bad)
 
 
+def test_a_removed_field_gets_one_line_saying_what_replaced_it(tmp_path):
+    # cache.order chose a block order for the cache; the cache now uses the plain order.
+    path = tmp_path / "old.yaml"
+    path.write_text("cache:\n  mode: on\n  order: blocks\n")
+    for load in (lambda: load_config(path), lambda: load_config(None, ["cache.order=auto"]),
+                 lambda: build_config({"cache": {"order": "samples"}})):
+        with pytest.raises(ConfigError) as err:
+            load()
+        message = str(err.value)
+        assert message.startswith("cache.order: removed: the activation cache now works in the "
+                                  "plain sample order")
+        assert "delete the field" in message and "\n" not in message
+    assert "order" not in RunConfig().cache.model_dump()
+
+
 def test_config_is_frozen():
     cfg = RunConfig()
     with pytest.raises(Exception):

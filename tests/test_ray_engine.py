@@ -33,9 +33,9 @@ def tiny_config(tmp_path, **extra):
         "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
         "pipeline": {"num_workers": 2, "schedule": "1f1b", "policy": "paper"},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
-        # One cache block per step, in the block order: the fault test below caches
-        # (cache.mode=on) and is compared with the reference trainer's run of this config.
-        "cache": {"block_size": 16, "order": "blocks"},
+        # 8 cache blocks; a step's 16 samples fall in most of them. The fault test below
+        # caches (cache.mode=on) and is compared with the reference trainer's run of this config.
+        "cache": {"block_size": 16},
         "epochs": 3,
         "output_dir": str(tmp_path),
         **extra,

@@ -188,23 +188,20 @@ def test_bad_grid_is_refused(items, fragment):
 
 
 @unit
-def test_baseline_takes_the_alpha_trials_sample_order():
-    from pt_ray.service.tune import _align_sample_order, _plan
+def test_baseline_reads_the_alpha_trials_batches_with_the_cache_on():
+    from pt_ray.core.config import build_config
+    from pt_ray.data.sampler import training_sampler
+    from pt_ray.service.tune import _plan
 
+    # The cache changes no order, so the baseline needs no pin to read the alpha trial's batches.
     variants, _, configs = _plan(None, [0.5], None, ["data.num_samples=64", "cache.mode=on"],
                                  True)
-    variants = _align_sample_order(variants, configs)
-    # Freezing runs cache, so they read in cache blocks; the baseline must read the same.
-    assert configs["alpha-0.5"]["cache"]["order"] == "auto"
-    assert configs["baseline"]["cache"]["order"] == "blocks"
-    assert configs["baseline"]["freeze"]["policy"] == "none"
-    assert variants[-1].overrides == ("freeze.policy=none", "cache.order=blocks")
-
-    for mode in ("off", "auto"):  # auto keeps the plain order unless cache.order=blocks
-        variants, _, configs = _plan(None, [0.5], None, [f"cache.mode={mode}"], True)
-        variants = _align_sample_order(variants, configs)
-        assert configs["baseline"]["cache"]["order"] == "auto"  # both read plain permutations
-        assert variants[-1].overrides == ("freeze.policy=none",)
+    assert variants[-1].overrides == ("freeze.policy=none",)
+    alpha, base = (build_config(configs[n]) for n in ("alpha-0.5", "baseline"))
+    assert (alpha.cache.mode, base.freeze.policy) == ("on", "none")
+    for epoch in range(3):
+        assert (training_sampler(alpha, 64).epoch_order(epoch).tolist()
+                == training_sampler(base, 64).epoch_order(epoch).tolist())
 
 
 # -- concurrency ---------------------------------------------------------------------------------
@@ -332,8 +329,7 @@ def test_small_sweep_on_tune(ray_cluster, tmp_path):
     from pt_ray.service.tune import sweep
 
     out = tmp_path / "sweep"
-    # cache.mode=on: the alpha trial reads in cache blocks, so the baseline must be pinned to
-    # the same order for the two runs below to match.
+    # cache.mode=on: the alpha trial caches, the baseline cannot; both read the same batches.
     result = sweep(alphas=[0.5], overrides=["epochs=2", "data.num_samples=256", "engine=ray",
                                             "pipeline.num_workers=2", "cache.mode=on"],
                    output_dir=out)
@@ -355,7 +351,7 @@ def test_small_sweep_on_tune(ray_cluster, tmp_path):
         assert summary["config"]["data"]["num_samples"] == 256
     assert trials["baseline"]["summary_path"] == str(out / "baseline" / "summary.json")
     cfg = json.loads((out / "baseline" / "summary.json").read_text())["config"]
-    assert cfg["freeze"]["policy"] == "none" and cfg["cache"]["order"] == "blocks"
+    assert cfg["freeze"]["policy"] == "none" and "order" not in cfg["cache"]
     assert json.loads((out / "alpha-0.5" / "summary.json").read_text())["config"]["freeze"][
         "alpha"] == 0.5
     assert data["pareto"] and set(data["pareto"]) <= set(trials)

@@ -58,6 +58,14 @@ PICKLE_ERRORS: tuple[type[BaseException], ...] = (
 pickle at all); a loader turns them into one :class:`ConfigError` naming the file."""
 
 
+_REMOVED = {
+    "cache.order": "removed: the activation cache now works in the plain sample order (one "
+                   "permutation per seed and epoch, the same with the cache on or off); delete "
+                   "the field",
+}
+"""Fields that no longer exist, with what to do instead (a config that sets one gets this)."""
+
+
 def first_line(err: BaseException) -> str:
     """The first line of a library's error message (its type name when empty), for quoting it
     inside a one-line :class:`ConfigError`."""
@@ -340,11 +348,11 @@ class CacheConfig(_Section):
     """AutoCache: the frozen prefix's activations in Ray's object store."""
 
     mode: Literal["auto", "on", "off"] = "auto"
-    """``auto``: on when the planner predicts a gain, in runs that train in the block order
-    (``order=blocks``); with ``order=auto`` or ``samples`` the run keeps the plain order and
-    the cache stays off (whether it pays is only measured during the run, after the order is
-    fixed). ``on``: whenever a block is frozen. ``off``: never. It stays off when the
-    training transform is random, unless ``allow_random_transform`` is set."""
+    """``auto``: on in the plans where the planner predicts a gain from the profiled costs
+    (a cache read, amplified when the cache outgrows ``worker_memo_bytes``, against the frozen
+    prefix's forward). ``on``: whenever a block is frozen. ``off``: never. The sample order is
+    the same in every case, so the cache changes no batch. It stays off when the training
+    transform is random, unless ``allow_random_transform`` is set."""
     allow_random_transform: bool = False
     """Cache even though the training transform is random (``data.augment``): the cache then
     keeps one augmented view per sample, so the frozen prefix stops seeing new views."""
@@ -356,12 +364,8 @@ class CacheConfig(_Section):
     block_size: int = Field(default=64, gt=0)
     """Samples per cache object: the training set is cut into fixed random groups of at least
     this many samples, each stored as one object per depth (so a run over a million samples
-    holds about 16k objects, not a million)."""
-    order: Literal["auto", "blocks", "samples"] = "auto"
-    """Training sample order. ``blocks``: each epoch shuffles the cache blocks and the samples
-    within each block, so a step reads few objects; ``samples``: a plain permutation (the order
-    without a cache). ``auto``: ``blocks`` when the cache will turn on once a block freezes
-    (``mode=on``), else ``samples``."""
+    holds about 16k objects, not a million). The groups change no batch: a step gathers its
+    rows from whichever objects hold them, up to ``min(batch, blocks)`` of them."""
     budget_fraction: float = Field(default=0.5, gt=0, le=1)
     """Most of the cache node's object store the cache may fill; past it, new entries are
     refused and served as misses."""
@@ -371,7 +375,9 @@ class CacheConfig(_Section):
     """Most bytes of cached blocks a stage-0 worker keeps between steps (least recently read
     dropped first; 0: none). They are zero-copy views on its node's object store, which keep
     those objects in memory (and copies of blocks written on other nodes). When the whole cache
-    fits, the first read of an epoch fetches every block at once."""
+    fits, the first read of an epoch fetches every block at once; when it does not, each step
+    reads whole the blocks its samples fall in that the memo lacks, which the planner counts
+    against the cache (``mode=auto``)."""
     spill_directory: Path | None = None
     """Where an embedded Ray cluster spills objects to disk when its store is full (None:
     Ray's session directory). Ignored when attaching to a running cluster."""
@@ -551,6 +557,8 @@ def _check_keys(data: Mapping[str, Any], model: type[BaseModel], prefix: str = "
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in fields:
+            if path in _REMOVED:
+                raise ConfigError(f"{path}: {_REMOVED[path]}")
             valid = sorted(fields)
             close = difflib.get_close_matches(str(key), valid, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else ""

@@ -18,10 +18,11 @@ from statistics import median
 from typing import Any, Literal
 
 from pt_ray.core.config import RunConfig
+from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.core.freeze import FreezeGuard, FreezePolicy, build_freeze_policy
 from pt_ray.costs.hwprofile import HardwareProfile, load_hardware
-from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner, replica_batch
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
@@ -78,43 +79,31 @@ def transition_line(label: str, old: Plan, new: Plan) -> str:
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """What the activation cache may do in a run, and the sample order (from the config and
-    the dataset).
+    """What the activation cache may do in a run (from the config and the dataset).
 
     Attributes:
-        mode: ``off`` (never), ``on`` (whenever a block is frozen) or ``auto`` (when predicted
-            to pay).
-        order: the training order: ``blocks`` (cache blocks kept whole) or ``samples``.
-        reason: why the cache is so, in words, for the run log.
-        order_reason: why the order is so, in words.
+        mode: ``off`` (never), ``on`` (whenever a block is frozen) or ``auto`` (in the plans
+            where the planner predicts a gain).
+        reason: why, in words, for the run log.
     """
 
     mode: Literal["auto", "on", "off"]
-    order: Literal["blocks", "samples"]
     reason: str
-    order_reason: str = ""
 
     def describe(self) -> str:
-        """The decision as one log line (``sample order samples (...): ...; activation cache
-        off: ...``)."""
-        shape = "cache blocks kept whole" if self.order == "blocks" else "a plain permutation"
-        return (f"sample order {self.order} ({shape}): {self.order_reason}; activation cache "
-                f"{self.mode}: {self.reason}")
+        """The decision as one log line (``activation cache off: cache.mode=off``)."""
+        return f"activation cache {self.mode}: {self.reason}"
 
 
 def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
-    """Whether the cache may turn on in this run, and the sample order that follows.
+    """Whether the cache may turn on in this run.
 
     The cache is only valid when the frozen prefix sees the same input every epoch: with a random
     training transform it would freeze one augmented view, so it stays off unless the user opts
-    in. With ``cache.order=auto`` the block order (which changes the batches, and costs accuracy
-    on small datasets) is used only where the cache will turn on once a block freezes:
-    ``cache.mode=on``. ``cache.mode=auto`` decides by the costs the workers measure in the first
-    steps, after the order is fixed, and the reference trainer measures none, so it cannot
-    promise the cache before the first step: it caches only in runs that chose
-    ``cache.order=blocks``, and otherwise keeps the plain order and the cache off. The decision
-    is a function of the config and the dataset alone, so the reference trainer, every rank and
-    a resumed run agree on it.
+    in. It never changes the sample order (:func:`pt_ray.data.sampler.training_sampler`), so
+    ``cache.mode=auto`` leaves the choice to the planner, plan by plan, from the profiled costs.
+    The decision is a function of the config and the dataset alone, so the reference trainer,
+    every rank and a resumed run agree on it.
 
     Args:
         cfg: the run configuration.
@@ -122,34 +111,20 @@ def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
     """
     c, f = cfg.cache, cfg.freeze
     if c.mode == "off":
-        mode, reason = "off", "cache.mode=off"
-    elif f.policy == "none" or f.max_frozen == 0:
-        mode, reason = "off", (f"nothing ever freezes (freeze.policy={f.policy}, "
-                               f"max_frozen={f.max_frozen})")
-    elif not deterministic_transform and not c.allow_random_transform:
-        mode, reason = "off", (
+        return CachePolicy("off", "cache.mode=off")
+    if f.policy == "none" or f.max_frozen == 0:
+        return CachePolicy("off", f"nothing ever freezes (freeze.policy={f.policy}, "
+                                  f"max_frozen={f.max_frozen})")
+    if not deterministic_transform and not c.allow_random_transform:
+        return CachePolicy("off", (
             "the training transform is random (data.augment=true), so cached activations "
             "would keep one augmented view per sample; set cache.allow_random_transform=true "
-            "to cache anyway")
-    elif c.mode == "auto" and c.order != "blocks":
-        mode, reason = "off", (
-            f"cache.mode=auto caches only with cache.order=blocks (whether it pays is measured "
-            f"during the run, after the order is fixed), and cache.order={c.order} keeps the "
-            "plain order; set cache.order=blocks or cache.mode=on to cache")
-    else:
-        mode = c.mode
-        reason = ("cache.mode=on: on whenever a block is frozen" if mode == "on" else
-                  "cache.mode=auto: on when the planner predicts a gain")
-        if not deterministic_transform:
-            reason += " (random transform allowed by cache.allow_random_transform)"
-    if c.order != "auto":
-        order, why = c.order, f"cache.order={c.order}"
-    elif mode == "on":
-        order, why = "blocks", ("cache.order=auto, and the cache turns on with the first "
-                                "frozen block")
-    else:
-        order, why = "samples", "cache.order=auto, and the cache stays off"
-    return CachePolicy(mode, order, reason, why)
+            "to cache anyway"))
+    reason = ("cache.mode=on: on whenever a block is frozen" if c.mode == "on" else
+              "cache.mode=auto: on in the plans where the planner predicts a gain")
+    if not deterministic_transform:
+        reason += " (random transform allowed by cache.allow_random_transform)"
+    return CachePolicy(c.mode, reason)
 
 
 class ControlState:
@@ -206,6 +181,8 @@ class ControlState:
                 plan = self.planner.next_plan(plan, first)
             self.plans[0] = plan
             logger.info("initial plan %s", plan.describe())
+            if plan.num_frozen:
+                logger.info("%s 0: %s", self.decision_label, self.planner.cache_reason(plan))
 
     def submit_norms(self, decision: int, norms: Mapping[int, float]) -> None:
         """The per-block gradient norms of every trained block during interval ``decision``
@@ -270,6 +247,8 @@ class ControlState:
         if plan is not prev:
             logger.info("%s (%s)", transition_line(f"{self.decision_label} {decision}", prev,
                                                    plan), result.reason)
+            logger.info("%s %d: %s", self.decision_label, decision,
+                        self.planner.cache_reason(plan))
 
     def _roll_back(self, decision: int, prev: Plan) -> None:
         """Order the guard's rollback: decision ``decision`` reopens the harmful freeze's first
@@ -461,6 +440,9 @@ def build_control_state(
     policy = policy_for(cfg, num_layers, steps_per_epoch,
                         pinned_length=None if p.elastic else k0)
     forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
+    # The samples an epoch trains on: the cache's rows, to within a batch.
+    layout = CacheLayout(steps_per_epoch * cfg.data.batch_size, cfg.cache.block_size,
+                         cfg.cache.worker_memo_bytes)
     budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
     if p.hardware != "auto":
         hardware = p.hardware
@@ -472,7 +454,8 @@ def build_control_state(
                            batch_policy=cfg.batch_policy, schedule=p.schedule,
                            initial_pipeline_length=k0, num_microbatches=forced_m,
                            memory_budget=budget,
-                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw),
+                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw, layout,
+                                                        num_workers),
                            elastic=p.elastic,
                            accumulation_steps=cfg.optimizer.accumulation_steps,
                            activation_checkpointing=p.activation_checkpointing)
@@ -484,7 +467,7 @@ def build_control_state(
             batch_policy=cfg.batch_policy, schedule=p.schedule,
             initial_pipeline_length=None if choose_start else k0,
             num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
-            cache_min_frozen=cfg.cache.min_frozen or 1, elastic=p.elastic,
+            cache_min_frozen=cfg.cache.min_frozen or 1, cache_layout=layout, elastic=p.elastic,
             accumulation_steps=cfg.optimizer.accumulation_steps,
             activation_checkpointing=p.activation_checkpointing,
         )
@@ -499,18 +482,24 @@ def build_control_state(
     return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard)
 
 
-def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable,
-                      hw: HardwareProfile) -> int | None:
+def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw: HardwareProfile,
+                      layout: CacheLayout, num_workers: int) -> int | None:
     """The paper policy's cache threshold: every frozen depth (``on``), ``cache.min_frozen``,
-    or where a cache read first beats recomputing the prefix (``auto``)."""
+    or where a cache read first beats recomputing the prefix (``auto``; a read's rows are a
+    replica's share of a pass with every worker a replica, the most a read can be amplified)."""
     if mode == "off":
         return None
     if mode == "on":
         return 1
     if cfg.cache.min_frozen is not None:
         return cfg.cache.min_frozen
-    even = cache_break_even(costs, hw)
+    rows = replica_batch(cfg.data.batch_size, num_workers, cfg.batch_policy,
+                         cfg.optimizer.accumulation_steps)
+    even = cache_break_even(costs, hw, layout=layout, samples=rows)
     if even is not None:
         logger.info("cache.mode=auto: the cache turns on from %d frozen blocks, where a read "
                     "beats the prefix's forward", even)
+    else:
+        logger.info("cache.mode=auto: the cache stays off: no cache read beats the prefix's "
+                    "forward")
     return even

@@ -355,6 +355,15 @@ class Planner:
         """Whether plans with ``num_frozen`` frozen blocks read the prefix from the cache."""
         return self.cache_from is not None and num_frozen >= self.cache_from
 
+    def cache_reason(self, plan: Plan) -> str:
+        """Why ``plan`` reads the cache or not, in one line."""
+        if self.cache_from is None:
+            why = ("pipeline.policy=paper has no cache threshold (cache.mode=off, or no cache "
+                   "read beats the prefix's forward)")
+        else:
+            why = f"pipeline.policy=paper caches from {self.cache_from} frozen blocks"
+        return f"cache {'on' if plan.cache else 'off'} at {plan.num_frozen} frozen blocks: {why}"
+
     def _partition(self, num_frozen: int, k: int) -> Partition:
         c = self.costs
         prefix = 0.0 if self.cached(num_frozen) else self._time(c.embed, num_frozen > 0) + sum(

@@ -13,7 +13,9 @@ optimizer:
 2. the frozen prefix (embedding + blocks ``0..n-1``, forward only) runs on stage 0: per
    micro-batch inside the schedule (pt-ray's runtime) or over the whole batch before the
    pipeline starts (the 2021 code's ``pipe(frozen(x))``); with the cache it is a read of the
-   cached level plus the forward of the blocks frozen since (plus the write of the new level);
+   cached level (whole blocks per row when the cache outgrows a worker's memo:
+   :func:`cache_read_factor`) plus the forward of the blocks frozen since (plus the write of
+   the new level);
 3. point-to-point transfers cost ``bytes / bandwidth + latency``, intra- or inter-node by where
    the two ranks sit (pipeline-major ranks, ``devices_per_node`` per node);
 4. ring all-reduce over R replicas: ``2 (R-1)/R * bytes / bandwidth + 2 (R-1) * latency``, with
@@ -41,6 +43,7 @@ from pt_ray.core.plan import CostTable, LayerCost, Plan, holders, is_trainable
 from pt_ray.core.shapes import ModelShape, layer_shapes
 
 __all__ = [
+    "CacheLayout",
     "HardwareProfile",
     "PT_2021",
     "PT_RAY",
@@ -49,6 +52,7 @@ __all__ = [
     "StepBreakdown",
     "allreduce_time",
     "analytic_costs",
+    "cache_read_factor",
     "calibrate",
     "fit_efficiency",
     "list_hardware",
@@ -193,8 +197,79 @@ def allreduce_time(num_bytes: float, replicas: int, bandwidth: float, latency: f
     return 2 * (replicas - 1) / replicas * num_bytes / bandwidth + 2 * (replicas - 1) * latency
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """How the activation cache keeps and reads its rows, which sets what a read costs.
+
+    The training order is a plain permutation, so the rows one stage 0 reads in a pass are a
+    random draw of the cache's samples, spread over its blocks.
+
+    Attributes:
+        num_samples: samples the cache holds a row of (those an epoch trains on).
+        block_size: least samples per cache object (``cache.block_size``).
+        memo_bytes: most bytes of read objects a stage-0 worker keeps between steps
+            (``cache.worker_memo_bytes``); None: no limit.
+    """
+
+    num_samples: int
+    block_size: int
+    memo_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_samples <= 0 or self.block_size <= 0:
+            raise ValueError(f"num_samples={self.num_samples} and block_size={self.block_size} "
+                             "must be positive")
+
+    @property
+    def num_blocks(self) -> int:
+        """Cache objects per depth (:class:`pt_ray.data.sampler.CacheBlocks`)."""
+        return max(1, self.num_samples // self.block_size)
+
+    def cache_bytes(self, row_bytes: float) -> float:
+        """The whole cache at one depth."""
+        return row_bytes * self.num_samples
+
+    def fits(self, row_bytes: float) -> bool:
+        """Whether the whole cache fits a stage-0 worker's memo."""
+        return self.memo_bytes is None or self.cache_bytes(row_bytes) <= self.memo_bytes
+
+    def blocks_touched(self, samples: float) -> float:
+        """Expected distinct blocks ``samples`` random samples fall in:
+        ``B (1 - (1 - 1/B)^samples)`` of ``B`` blocks, about ``min(samples, B)``."""
+        b = self.num_blocks
+        return b * (1.0 - (1.0 - 1.0 / b) ** samples)
+
+
+def cache_read_factor(costs: CostTable, level: int, samples: float,
+                      layout: CacheLayout | None) -> float:
+    """Bytes one stage 0 reads per byte of cached rows it uses, reading ``samples`` rows at
+    depth ``level`` in one pass (random rows: the plain order).
+
+    1. The whole cache fits the worker's memo: the first read of an epoch fetches every block
+       (zero-copy views on the node's store), and each pass moves only its rows: 1.
+    2. It does not: the pass's rows fall in :meth:`CacheLayout.blocks_touched` blocks; each
+       that the memo lacks (a ``1 - memo / cache`` share: it keeps the most recently read) is
+       read whole, ``num_samples / num_blocks`` rows, on top of the rows used.
+
+    Args:
+        costs: per-layer costs (``activation_bytes``: a row's bytes at each depth).
+        level: the depth read, at least 1.
+        samples: rows read in one pass (a replica's share of the pass).
+        layout: the cache's layout; None: rows are read alone (factor 1).
+    """
+    if layout is None or samples <= 0:
+        return 1.0
+    row = costs.blocks[level - 1].activation_bytes
+    if row <= 0 or layout.fits(row):
+        return 1.0
+    missed = 1.0 - (layout.memo_bytes or 0.0) / layout.cache_bytes(row)
+    block_rows = layout.num_samples / layout.num_blocks
+    return 1.0 + layout.blocks_touched(samples) * missed * block_rows / samples
+
+
 def _prefix_time(costs: CostTable, hw: HardwareProfile, runtime: Runtime, n: int, samples: float,
-                 cache: bool, cache_state: str, cached_level: int | None) -> float:
+                 cache: bool, cache_state: str, cached_level: int | None,
+                 layout: CacheLayout | None = None) -> float:
     """Stage 0's frozen-prefix work for ``samples`` samples."""
     if n == 0:
         return 0.0
@@ -215,7 +290,8 @@ def _prefix_time(costs: CostTable, hw: HardwareProfile, runtime: Runtime, n: int
     level = n if cached_level is None else cached_level
     if not 0 < level <= n:
         raise ValueError(f"cached_level={level} must lie in [1, num_frozen={n}]")
-    return io(level) + forward(level) + (write if level < n else 0.0)
+    read = io(level) * cache_read_factor(costs, level, samples, layout)
+    return read + forward(level) + (write if level < n else 0.0)
 
 
 def step_time(
@@ -229,6 +305,7 @@ def step_time(
     cached_level: int | None = None,
     optimizer_traffic: float = 5.0,
     passes: int = 1,
+    cache_layout: CacheLayout | None = None,
 ) -> StepBreakdown:
     """Predict one step of ``plan``.
 
@@ -246,6 +323,8 @@ def step_time(
         passes: gradient-accumulation passes per step (``optimizer.accumulation_steps``),
             each a whole schedule over ``batch_per_replica`` samples, fill and drain included,
             run one after another; the all-reduce and the optimizer step follow the last.
+        cache_layout: how the cache is kept, for the cost of a read
+            (:func:`cache_read_factor`); None: a read moves only the rows it uses.
     """
     if passes < 1:
         raise ValueError(f"passes={passes} must be at least 1")
@@ -255,7 +334,7 @@ def step_time(
     scale = batch_per_replica / m / costs.samples
     fwd, bwd, grads = _stage_work(plan, costs, scale, runtime.overhead(hw))
     prefix = _prefix_time(costs, hw, runtime, n, batch_per_replica, plan.cache, cache_state,
-                          cached_level)
+                          cached_level, cache_layout)
     ready = [0.0] * k
     if runtime.prefix == "serial":
         ready[0] = prefix

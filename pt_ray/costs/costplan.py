@@ -10,9 +10,12 @@ Pure module. Same interface as :class:`pt_ray.core.plan.Planner` (which keeps th
    stage the head);
 3. for each K, the cache off and (when allowed and n > 0) on, and each micro-batch count M (a
    divisor of the replica batch, at most ``max_microbatches_per_stage * K``), predicts the step
-   with :func:`pt_ray.costs.costmodel.step_time` (cache in steady state: reads hit at level n) and
-   keeps the layouts whose every stage fits the memory budget;
-4. returns the layout with the highest predicted throughput ``R * batch / step``.
+   with :func:`pt_ray.costs.costmodel.step_time` (cache in steady state: reads hit at level n;
+   a read costs more when the cache outgrows a worker's memo:
+   :func:`pt_ray.costs.costmodel.cache_read_factor`) and keeps the layouts whose every stage
+   fits the memory budget;
+4. returns the layout with the highest predicted throughput ``R * batch / step``, and notes why
+   the cache is on or off in it (:meth:`CostModelPlanner.cache_reason`).
 
 With gradient accumulation (A passes per step) the replica batch above is one pass's, and a step
 is predicted as A passes of the schedule, then one all-reduce and one optimizer step.
@@ -23,7 +26,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
-from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, StepBreakdown, step_time
+from pt_ray.costs.costmodel import (
+    PT_RAY,
+    CacheLayout,
+    HardwareProfile,
+    Runtime,
+    StepBreakdown,
+    cache_read_factor,
+    step_time,
+)
 from pt_ray.core.memory import MemoryModel
 from pt_ray.core.partition import Partition, partition
 from pt_ray.core.plan import (
@@ -59,6 +70,8 @@ class CostModelPlanner:
             ``off``.
         cache_min_frozen: with ``cache=auto``, the cache stays off below this many frozen
             blocks.
+        cache_layout: how the cache keeps its rows, for the cost of a read in the run's plain
+            order (None: a read moves only the rows it uses).
         runtime: how the runtime runs the prefix and writes the cache.
         optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
             gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
@@ -96,6 +109,7 @@ class CostModelPlanner:
         memory_budget: float | None = None,
         cache: Literal["auto", "on", "off"] = "auto",
         cache_min_frozen: int = 1,
+        cache_layout: CacheLayout | None = None,
         runtime: Runtime = PT_RAY,
         optimizer_state_factor: float = 4.0,
         activation_memory_factor: float = 24.0,
@@ -126,6 +140,8 @@ class CostModelPlanner:
         self.forced_microbatches = num_microbatches
         self.cache = cache
         self.cache_min_frozen = cache_min_frozen
+        self.cache_layout = cache_layout
+        self._cache_notes: dict[int, str] = {}
         self.runtime = runtime
         self.optimizer_state_factor = optimizer_state_factor
         self.activation_memory_factor = activation_memory_factor
@@ -161,7 +177,15 @@ class CostModelPlanner:
                              self.accumulation_steps)
 
     def _partition(self, num_frozen: int, k: int, cache: bool) -> Partition:
-        return stage_partition(self.costs, num_frozen, k, cache, self.hw, self.runtime)
+        return stage_partition(self.costs, num_frozen, k, cache, self.hw, self.runtime,
+                               read_factor=self._read_factor(num_frozen, self.num_workers // k))
+
+    def _read_factor(self, num_frozen: int, num_replicas: int) -> float:
+        """Bytes a cache read moves per byte used, for a replica of ``num_replicas``."""
+        if num_frozen == 0:
+            return 1.0
+        return cache_read_factor(self.costs, num_frozen, self.replica_batch(num_replicas),
+                                 self.cache_layout)
 
     def stage_memory(self, plan: Plan) -> list[float]:
         """Predicted peak bytes per stage: active parameters with their gradient and optimizer
@@ -195,7 +219,7 @@ class CostModelPlanner:
             self._predictions[key] = step_time(
                 plan, self.costs, self.hw, self.replica_batch(plan.num_replicas),
                 runtime=self.runtime, optimizer_traffic=self.optimizer_traffic,
-                passes=self.accumulation_steps)
+                passes=self.accumulation_steps, cache_layout=self.cache_layout)
         return self._predictions[key]
 
     def _microbatch_candidates(self, k: int, num_replicas: int) -> list[int]:
@@ -251,19 +275,62 @@ class CostModelPlanner:
         elif num_frozen >= max(1, self.cache_min_frozen) and self.cache == "auto":
             caches = [False, True]
         best, best_rate = None, -1.0
+        fastest: dict[bool, tuple[Plan, float]] = {}  # per cache choice, its fastest layout
         for k in ks:
             for cache in caches:
                 plan = self._best(num_frozen, k, cache)
                 if plan is None:
                     continue
                 rate = self.predict(plan).throughput
+                if cache not in fastest or rate > fastest[cache][1] * _FIT:
+                    fastest[cache] = (plan, rate)
                 if rate > best_rate * _FIT:
                     best, best_rate = plan, rate
         if best is None:  # nothing fits: keep the longest pipeline, as the paper's rule does
             best = self._best(num_frozen, ks[-1], caches[-1], check_memory=False)
         if best is None:
             raise self._no_microbatches(ks[-1])
+        self._cache_notes[num_frozen] = self._cache_note(num_frozen, fastest)
         return best
+
+    def _cache_note(self, num_frozen: int, fastest: dict[bool, tuple[Plan, float]]) -> str:
+        """Why plans with ``num_frozen`` frozen blocks read the cache or not, with the numbers."""
+        if num_frozen == 0:
+            return "nothing is frozen"
+        if self.cache != "auto":
+            return f"cache.mode={self.cache}"
+        if num_frozen < self.cache_min_frozen:
+            return f"fewer frozen blocks than cache.min_frozen={self.cache_min_frozen}"
+        if not fastest:
+            return "no layout fits the memory budget (the longest pipeline is kept)"
+        if True not in fastest:
+            return "no layout with the cache fits the memory budget"
+        on, off = fastest[True], fastest.get(False)
+        note = f"predicted {on[1]:.0f} samples/s with the cache"
+        if off is not None:
+            note += f", {off[1]:.0f} without"
+        layout = self.cache_layout
+        if layout is None:
+            return note
+        row = self.costs.blocks[num_frozen - 1].activation_bytes
+        size, memo = layout.cache_bytes(row), layout.memo_bytes
+        if layout.fits(row):
+            limit = "" if memo is None else f" ({memo / 2**20:.0f} MiB)"
+            return (f"{note}; the whole cache ({size / 2**20:.1f} MiB) fits a worker's memo"
+                    f"{limit}, read once per epoch")
+        rows = self.replica_batch(on[0].num_replicas)
+        return (f"{note}; the cache ({size / 2**20:.1f} MiB) outgrows a worker's memo "
+                f"({(memo or 0) / 2**20:.0f} MiB, cache.worker_memo_bytes), so a pass of {rows} "
+                f"rows reads about {layout.blocks_touched(rows):.0f} of {layout.num_blocks} "
+                f"blocks whole: {self._read_factor(num_frozen, on[0].num_replicas):.1f}x the "
+                f"bytes it uses")
+
+    def cache_reason(self, plan: Plan) -> str:
+        """Why ``plan`` reads the cache or not, in one line with the predicted numbers."""
+        if plan.num_frozen not in self._cache_notes:  # a plan restored from a checkpoint
+            self._choose(plan.num_frozen, plan.pipeline_length)
+        why = self._cache_notes[plan.num_frozen]
+        return f"cache {'on' if plan.cache else 'off'} at {plan.num_frozen} frozen blocks: {why}"
 
     def _no_microbatches(self, k: int) -> ValueError:
         return too_few_microbatches(self.replica_batch(self.num_workers // k), k,
@@ -306,7 +373,8 @@ class CostModelPlanner:
             num_workers, self.costs, self.hw, batch_size=self.batch_size,
             batch_policy=self.batch_policy, schedule=self.schedule,
             num_microbatches=self.forced_microbatches, memory_budget=self.memory_budget,
-            cache=self.cache, cache_min_frozen=self.cache_min_frozen, runtime=self.runtime,
+            cache=self.cache, cache_min_frozen=self.cache_min_frozen,
+            cache_layout=self.cache_layout, runtime=self.runtime,
             optimizer_state_factor=self.optimizer_state_factor,
             activation_memory_factor=self.activation_memory_factor,
             max_microbatches_per_stage=self.max_microbatches_per_stage,
@@ -315,12 +383,13 @@ class CostModelPlanner:
             activation_checkpointing=self.activation_checkpointing,
         )
         # A new N re-plans K from scratch even when not elastic: the old K may not divide it.
-        return replace(planner._choose(prev.num_frozen, num_workers),
-                       generation=prev.generation + 1)
+        plan = planner._choose(prev.num_frozen, num_workers)
+        self._cache_notes[prev.num_frozen] = planner._cache_notes[prev.num_frozen]
+        return replace(plan, generation=prev.generation + 1)
 
 
 def stage_partition(costs: CostTable, num_frozen: int, k: int, cache: bool, hw: HardwareProfile,
-                    runtime: Runtime = PT_RAY) -> Partition:
+                    runtime: Runtime = PT_RAY, read_factor: float = 1.0) -> Partition:
     """The exact partition of the active blocks over K stages as the cost planner weighs them:
     stage 0 also carries the embedding while it trains, or the frozen prefix's cost per
     micro-batch (its forward, or a cache read); the last stage carries the head.
@@ -333,6 +402,8 @@ def stage_partition(costs: CostTable, num_frozen: int, k: int, cache: bool, hw: 
         hw: the cluster's profile (the cache's read rate).
         runtime: how the runtime runs the prefix (``serial``: before the schedule, weighing
             nothing on stage 0).
+        read_factor: bytes a cache read moves per byte used
+            (:func:`pt_ray.costs.costmodel.cache_read_factor`).
     """
     c = costs
     active = [b.forward_s + b.backward_s for b in c.blocks[num_frozen:]]
@@ -341,7 +412,8 @@ def stage_partition(costs: CostTable, num_frozen: int, k: int, cache: bool, hw: 
     elif runtime.prefix == "serial":
         first = 0.0  # the prefix runs before the schedule, not inside stage 0's turns
     elif cache:
-        first = c.blocks[num_frozen - 1].activation_bytes * c.samples / runtime.cache_rate(hw)
+        first = (c.blocks[num_frozen - 1].activation_bytes * c.samples * read_factor
+                 / runtime.cache_rate(hw))
     else:
         first = c.embed.forward_s + sum(b.forward_s for b in c.blocks[:num_frozen])
     return partition(active, k, first_extra=first,
@@ -349,18 +421,28 @@ def stage_partition(costs: CostTable, num_frozen: int, k: int, cache: bool, hw: 
 
 
 def cache_break_even(
-    costs: CostTable, hw: HardwareProfile, runtime: Runtime = PT_RAY
+    costs: CostTable, hw: HardwareProfile, runtime: Runtime = PT_RAY,
+    layout: CacheLayout | None = None, samples: float = 1.0,
 ) -> int | None:
     """The fewest frozen blocks at which reading one sample's cached prefix output is faster
     than recomputing it (embedding + the frozen blocks' forward); None if it never is.
 
     The 2021 code hard-coded 3 frozen blocks for every model; this is the comparison such a
     threshold stands for. ``pipeline.policy=paper`` uses it for ``cache.mode=auto``.
+
+    Args:
+        costs: per-layer costs.
+        hw: the cluster's profile (the cache's read rate).
+        runtime: how the runtime reads the cache.
+        layout: the cache's layout: a read is amplified when it outgrows a worker's memo
+            (:func:`pt_ray.costs.costmodel.cache_read_factor`); None: not.
+        samples: rows one read takes (a replica's pass), for that amplification.
     """
     per = 1.0 / costs.samples
     forward = costs.embed.forward_s * per
     for n, block in enumerate(costs.blocks, start=1):
         forward += block.forward_s * per
-        if block.activation_bytes / runtime.cache_rate(hw) < forward:
+        read = block.activation_bytes * cache_read_factor(costs, n, samples, layout)
+        if read / runtime.cache_rate(hw) < forward:
             return n
     return None

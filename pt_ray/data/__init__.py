@@ -15,6 +15,7 @@ from pt_ray.data.sampler import (
     accumulation_chunks,
     eval_shards,
     split_for_replica,
+    training_sampler,
 )
 from pt_ray.data.synthetic import synthetic_image, synthetic_text
 from pt_ray.data.text import load_glue_tsv, load_squad_json, load_tokenizer
@@ -52,6 +53,7 @@ __all__ = [
     "random_crop_flip",
     "set_epoch",
     "split_for_replica",
+    "training_sampler",
     "synthetic_image",
     "synthetic_text",
 ]

@@ -7,10 +7,9 @@ therefore never changes which samples a step covers, so a pipeline x data-parall
 same data as the single-process reference trainer, and each epoch reshuffles (the 2021 code
 forgot ``set_epoch`` and repeated one order).
 
-With the activation cache the order keeps cache blocks whole (:class:`CacheBlocks`): the
-training set is cut once into fixed random groups of samples, each cached as one object, and
-every epoch shuffles the groups and the samples within each group. A step then reads one or two
-objects instead of one per sample.
+The activation cache does not change the order: it groups samples into fixed random blocks
+(:class:`CacheBlocks`, one cached object per block and depth), and a step gathers its rows from
+whichever blocks hold them, so a run trains on the same batches with the cache on or off.
 """
 
 from __future__ import annotations
@@ -19,15 +18,18 @@ import math
 
 import numpy as np
 
+from pt_ray.core.config import RunConfig
+
 __all__ = [
     "CacheBlocks",
     "GlobalSampler",
     "accumulation_chunks",
     "eval_shards",
     "split_for_replica",
+    "training_sampler",
 ]
 
-# Seeds the block membership apart from the per-epoch streams ``[seed, epoch]``.
+# Seeds the block membership apart from the per-epoch order's streams ``[seed, epoch]``.
 _BLOCK_STREAM = 0xB10C
 
 
@@ -90,8 +92,10 @@ class CacheBlocks:
 
     ``num_samples // block_size`` blocks (at least one) of a seeded permutation, so every block
     holds ``block_size`` samples or a few more (the remainder is spread over the blocks, which
-    keeps the object count at most ``num_samples / block_size``). Membership is random, not by
-    index range: a dataset stored class by class (an image folder) still gives mixed batches.
+    keeps the object count at most ``num_samples / block_size``). Membership is random and fixed
+    by the seed; it changes no batch (the order is :class:`GlobalSampler`'s), only which object
+    holds a sample's cached rows, so a step's rows come from up to ``min(batch, num_blocks)``
+    objects.
 
     Args:
         num_samples: size of the training split.
@@ -119,18 +123,6 @@ class CacheBlocks:
         """Samples in ``block``."""
         return len(self.members[block])
 
-    def order(self, seed: int, epoch: int) -> np.ndarray:
-        """An epoch's order that keeps blocks whole: the blocks in a random order, each block's
-        samples in a random order; a function of ``(seed, epoch)``.
-
-        Returns:
-            ``[num_samples]`` int64, a permutation of ``range(num_samples)``.
-        """
-        rng = np.random.default_rng([seed, epoch, _BLOCK_STREAM])
-        rank = rng.permutation(self.num_blocks)
-        # Sort by (the block's rank this epoch, a random key within the block).
-        return np.lexsort((rng.random(self.num_samples), rank[self.block_of])).astype(np.int64)
-
 
 class GlobalSampler:
     """The global sample order of a run, independent of the pipeline/data-parallel plan.
@@ -141,8 +133,6 @@ class GlobalSampler:
         seed: the run seed (non-negative); with the epoch it fixes the order.
         drop_last: drop the last incomplete batch of an epoch (default). Without it the last
             step is shorter and is split across replicas as evenly as possible.
-        blocks: keep these cache blocks whole in each epoch's order (:meth:`CacheBlocks.order`);
-            None: a plain permutation.
 
     Raises:
         ValueError: a non-positive size, a negative seed, or (with ``drop_last``) a batch
@@ -155,7 +145,6 @@ class GlobalSampler:
         batch_size: int,
         seed: int,
         drop_last: bool = True,
-        blocks: CacheBlocks | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples={num_samples} must be positive; the split is empty")
@@ -173,12 +162,6 @@ class GlobalSampler:
         self.batch_size = batch_size
         self.seed = seed
         self.drop_last = drop_last
-        if blocks is not None and blocks.num_samples != num_samples:
-            raise ValueError(
-                f"blocks cover {blocks.num_samples} samples but the split has {num_samples}; "
-                "build CacheBlocks for this split"
-            )
-        self.blocks = blocks
         self._cached: tuple[int, np.ndarray] | None = None
 
     @property
@@ -196,8 +179,7 @@ class GlobalSampler:
         return self.num_samples
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The epoch's permutation of ``range(num_samples)``, a function of (seed, epoch) only
-        (and of the cache blocks, when given).
+        """The epoch's permutation of ``range(num_samples)``, a function of (seed, epoch) only.
 
         Returns:
             ``[num_samples]`` int64 (read-only; copy before modifying).
@@ -206,11 +188,8 @@ class GlobalSampler:
             raise ValueError(f"epoch={epoch} must be non-negative")
         if self._cached is not None and self._cached[0] == epoch:
             return self._cached[1]
-        if self.blocks is not None:
-            order = self.blocks.order(self.seed, epoch)
-        else:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            order = order.astype(np.int64, copy=False)
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        order = order.astype(np.int64, copy=False)
         order.flags.writeable = False
         self._cached = (epoch, order)
         return order
@@ -252,9 +231,14 @@ class GlobalSampler:
     def __repr__(self) -> str:
         return (
             f"GlobalSampler(num_samples={self.num_samples}, batch_size={self.batch_size}, "
-            f"seed={self.seed}, drop_last={self.drop_last}, "
-            f"blocks={None if self.blocks is None else self.blocks.block_size})"
+            f"seed={self.seed}, drop_last={self.drop_last})"
         )
+
+
+def training_sampler(cfg: RunConfig, num_samples: int) -> GlobalSampler:
+    """The run's global sampler over a training split of ``num_samples`` (the reference trainer
+    and every rank build the same one, cache on or off)."""
+    return GlobalSampler(num_samples, cfg.data.batch_size, cfg.seed)
 
 
 def eval_shards(

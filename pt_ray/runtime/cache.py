@@ -27,10 +27,6 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
-from pt_ray.core.config import RunConfig
-from pt_ray.core.control import cache_policy
-from pt_ray.data.sampler import CacheBlocks, GlobalSampler
-
 __all__ = [
     "ActivationStore",
     "BlockIndex",
@@ -42,7 +38,6 @@ __all__ = [
     "distinct_figures",
     "from_numpy",
     "to_numpy",
-    "training_sampler",
 ]
 
 logger = logging.getLogger(__name__)
@@ -368,13 +363,3 @@ class InMemoryStore:
     def stats(self) -> CacheStats:
         return CacheStats(**vars(self.index.stats))
 
-
-def training_sampler(cfg: RunConfig, num_samples: int, deterministic_transform: bool
-                     ) -> GlobalSampler:
-    """The run's global sampler: cache blocks kept whole when
-    :func:`pt_ray.core.control.cache_policy` orders by blocks (the reference trainer and every rank
-    build the same one)."""
-    blocks = None
-    if cache_policy(cfg, deterministic_transform).order == "blocks":
-        blocks = CacheBlocks(num_samples, cfg.cache.block_size, cfg.seed)
-    return GlobalSampler(num_samples, cfg.data.batch_size, cfg.seed, blocks=blocks)

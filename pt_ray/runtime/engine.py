@@ -63,10 +63,11 @@ from pt_ray.data.sampler import (
     accumulation_chunks,
     eval_shards,
     split_for_replica,
+    training_sampler,
 )
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.core.plan import CostTable, Plan, is_trainable, replica_batch
-from pt_ray.runtime.cache import ActivationStore, training_sampler
+from pt_ray.runtime.cache import ActivationStore
 from pt_ray.runtime.checkpoint import deal_layers, load_layers, read_meta, write_shard
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
@@ -155,11 +156,10 @@ class ElasticWorker:
         self.modules = dict(iter_layers(adapter))
         self.fixed_costs = costs
         deterministic = splits.train.deterministic_transform
-        self.sampler = training_sampler(cfg, len(splits.train), deterministic)
+        self.sampler = training_sampler(cfg, len(splits.train))
         self.prefix: CachedPrefix | None = None
         if store is not None and cache_policy(cfg, deterministic).mode != "off":
-            blocks = self.sampler.blocks or CacheBlocks(len(splits.train), cfg.cache.block_size,
-                                                        cfg.seed)
+            blocks = CacheBlocks(len(splits.train), cfg.cache.block_size, cfg.seed)
             self.prefix = CachedPrefix(adapter, store, blocks, self.device, costs,
                                        memo_bytes=cfg.cache.worker_memo_bytes,
                                        precision=self.precision)

@@ -34,6 +34,7 @@ from pt_ray.runtime.precision import Precision
 __all__ = [
     "CacheCounters",
     "CachedPrefix",
+    "copied_whole",
     "epoch_counters",
     "gather_rows_on_device",
     "gather_rows_on_host",
@@ -367,38 +368,70 @@ def _assemble(parts: list[tuple[np.ndarray, State]], size: int) -> State:
     return out
 
 
+def _pick(segments: list[Segment], seg: np.ndarray, pos: np.ndarray, j: int) -> np.ndarray:
+    """State array ``j``'s rows ``pos[i]`` of ``segments[seg[i]]``, picked with numpy into one
+    new host array."""
+    like = segments[int(seg[0])].arrays[j]
+    out = np.empty((len(seg), *like.shape[1:]), dtype=like.dtype)
+    for s in np.unique(seg).tolist():
+        sel = np.flatnonzero(seg == s)
+        out[sel] = segments[s].arrays[j][pos[sel]]
+    return out
+
+
 def gather_rows_on_host(segments: list[Segment], seg: np.ndarray, pos: np.ndarray) -> State:
     """Rows ``pos[i]`` of ``segments[seg[i]]`` picked with numpy, as CPU tensors."""
     first = segments[int(seg[0])]
-    out = [np.empty((len(seg), *a.shape[1:]), dtype=a.dtype) for a in first.arrays]
-    for s in np.unique(seg).tolist():
-        sel = np.flatnonzero(seg == s)
-        for o, a in zip(out, segments[s].arrays):
-            o[sel] = a[pos[sel]]
-    return tuple(from_numpy(o, d, copy=False) for o, d in zip(out, first.dtypes))
+    return tuple(from_numpy(_pick(segments, seg, pos, j), d, copy=False)
+                 for j, d in enumerate(first.dtypes))
+
+
+_COPY_WHOLE_FROM = 0.25
+"""A segment that serves at least this share of its rows to a step is copied to the device whole;
+the rows of sparser ones are picked on the host first. In the run's plain order a step takes a
+row or two from each of up to ``batch`` blocks: copying those whole would move about
+``block_size`` times the bytes it uses (not measured on a GPU yet; the threshold is a guess
+between the slow host gather and that waste)."""
+
+
+def copied_whole(segments: list[Segment], seg: np.ndarray) -> list[int]:
+    """The segments :func:`gather_rows_on_device` copies whole for rows from ``seg``: those
+    serving at least :data:`_COPY_WHOLE_FROM` of their rows, ascending."""
+    used, counts = np.unique(seg, return_counts=True)
+    return [s for s, c in zip(used.tolist(), counts.tolist())
+            if c >= _COPY_WHOLE_FROM * segments[s].ids.size]
 
 
 def gather_rows_on_device(
     segments: list[Segment], seg: np.ndarray, pos: np.ndarray, device: torch.device
 ) -> State:
-    """Rows ``pos[i]`` of ``segments[seg[i]]``, picked on ``device``.
+    """Rows ``pos[i]`` of ``segments[seg[i]]``, on ``device``.
 
-    Each segment read is copied whole (one host-to-device transfer per segment and state
-    tensor; a segment is one block of a few dozen samples) and the rows are picked there: on an
-    H200 a host-side gather of ViT-B/16 rows ran at under 2 GB/s, slower than recomputing the
-    frozen blocks it replaced.
+    1. Each segment that serves at least :data:`_COPY_WHOLE_FROM` of its rows is copied whole
+       (one host-to-device transfer per segment and state tensor; a segment is one block of a
+       few dozen samples) and its rows are picked there: a host-side gather of ViT-B/16 rows
+       ran at under 2 GB/s on an H200, slower than recomputing the frozen blocks it replaced.
+    2. The rows of the other segments are picked on the host into one array, copied at once.
     """
-    used = np.unique(seg)
+    whole = copied_whole(segments, seg)
+    in_whole = np.isin(seg, whole)
+    picked = np.flatnonzero(~in_whole)
+    # Where each row lands on the device: the whole segments back to back, then the picked rows.
     start = np.zeros(len(segments), dtype=np.int64)
-    sizes = np.array([segments[s].ids.size for s in used.tolist()], dtype=np.int64)
-    start[used] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    rows = torch.from_numpy(start[seg] + pos).to(device)
+    sizes = np.array([segments[s].ids.size for s in whole], dtype=np.int64)
+    start[whole] = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if whole else []
+    rows = np.empty(len(seg), dtype=np.int64)
+    rows[in_whole] = start[seg[in_whole]] + pos[in_whole]
+    rows[picked] = int(sizes.sum()) + np.arange(len(picked))
+    index = torch.from_numpy(rows).to(device)
     first = segments[int(seg[0])]
     out = []
     for j, dtype in enumerate(first.dtypes):
+        host = [segments[s].arrays[j] for s in whole]
+        if len(picked):
+            host.append(_pick(segments, seg[picked], pos[picked], j))
         with warnings.catch_warnings():  # zero-copy views of the store are read-only
             warnings.simplefilter("ignore", UserWarning)
-            parts = [from_numpy(segments[s].arrays[j], dtype, copy=False).to(device)
-                     for s in used.tolist()]
-        out.append((parts[0] if len(parts) == 1 else torch.cat(parts))[rows])
+            parts = [from_numpy(a, dtype, copy=False).to(device) for a in host]
+        out.append((parts[0] if len(parts) == 1 else torch.cat(parts))[index])
     return tuple(out)

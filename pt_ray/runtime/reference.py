@@ -33,7 +33,7 @@ from pt_ray.core.config import RunConfig
 from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
-from pt_ray.data.sampler import accumulation_chunks
+from pt_ray.data.sampler import accumulation_chunks, training_sampler
 from pt_ray.core.control import decision_interval, policy_for, start_pipeline_length
 from pt_ray.core.freeze import FreezeGuard, FreezePolicy
 from pt_ray.models.base import (
@@ -45,7 +45,6 @@ from pt_ray.models.base import (
     run_blocks,
 )
 from pt_ray.runtime.build import build_model_for
-from pt_ray.runtime.cache import training_sampler
 from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
 from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
 from pt_ray.runtime.sync import clip_grad_norm
@@ -127,9 +126,8 @@ class ReferenceTrainer:
         self.splits = splits or build_dataset(cfg.data, seed=cfg.seed,
                                                  tokenizer_dir=cfg.model.weights)
         self.adapter = adapter or build_model_for(cfg, self.splits)
-        # The run's order (cache blocks kept whole when the cache may turn on), as the engine's.
-        self.sampler = training_sampler(cfg, len(self.splits.train),
-                                        self.splits.train.deterministic_transform)
+        # The run's order, as the engine's (the same with the cache on or off).
+        self.sampler = training_sampler(cfg, len(self.splits.train))
         # With the pipeline pinned (pipeline.elastic=false) the Ray run freezes at most L - K0.
         layers, workers = self.adapter.num_layers, cfg.pipeline.num_workers
         pinned = None if cfg.pipeline.elastic else start_pipeline_length(cfg, layers, workers)

@@ -267,9 +267,9 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
     ).remote(cfg.model_dump(mode="json"), str((run_dir / "ray" / run_id).resolve()))
     # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
-    # them). Whether the cache may really turn on (the dataset's transform) is the workers'
-    # call; the config alone may already rule it out (cache.mode=off, nothing freezes, auto in
-    # the plain order).
+    # them). Whether the cache may really turn on (the dataset's transform, the planner's
+    # prediction) is decided later; the config alone may already rule it out (cache.mode=off,
+    # nothing freezes).
     cache: dict[str, Any] = {}
     if cache_policy(cfg, deterministic_transform=True).mode != "off":
         cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)

@@ -126,7 +126,6 @@ def sweep(
         raise ConfigError(f"max_concurrent={max_concurrent}: give 1 or more, or leave it unset "
                           f"to run as many trials as the cluster fits")
     variants, base, configs = _plan(config, alphas, grid, overrides, baseline)
-    variants = _align_sample_order(variants, configs)
     sweep_dir = Path(output_dir if output_dir is not None
                      else base.output_dir / f"{base.name}-sweep").expanduser().resolve()
     exp_dir = sweep_dir / EXPERIMENT
@@ -200,50 +199,6 @@ def _plan(config, alphas, grid, overrides, baseline
             raise ConfigError(f"trial {v.label}: {err}") from None
         configs[v.name] = cfg.model_dump(mode="json")
     return variants, base, configs
-
-
-def _align_sample_order(variants: list[Variant], configs: dict[str, dict[str, Any]]
-                        ) -> list[Variant]:
-    """Give each baseline the sample order of the alpha trials it is compared with.
-
-    With ``cache.order=auto`` the order follows whether the activation cache will turn on
-    (:func:`pt_ray.core.control.cache_policy`), which ``freeze.policy=none`` rules out: left alone,
-    the baseline would see other batches than the freezing runs from the first step. Pinning
-    ``cache.order`` changes no speed (the baseline's cache stays off) and makes the warm-up
-    epochs of every trial identical.
-    """
-    from pt_ray.core.config import build_config
-    from pt_ray.core.control import cache_policy
-    from pt_ray.data.registry import build_dataset
-
-    deterministic: dict[str, bool] = {}
-
-    def order_of(cfg: RunConfig) -> str:
-        key = json.dumps([cfg.data.model_dump(mode="json"), cfg.seed, str(cfg.model.weights)])
-        if key not in deterministic:
-            splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-            deterministic[key] = splits.train.deterministic_transform
-        return cache_policy(cfg, deterministic[key]).order
-
-    out = []
-    for v in variants:
-        base_cfg = build_config(configs[v.name])
-        partner = next((a for a in variants if a.baseline == v.name), None)
-        if v.is_baseline and partner is not None and base_cfg.cache.order == "auto":
-            order = order_of(build_config(configs[partner.name]))
-            if order != order_of(base_cfg):
-                pin = f"cache.order={order}"
-                configs[v.name] = build_config(
-                    _with(configs[v.name], pin)).model_dump(mode="json")
-                v = dataclasses.replace(v, overrides=(*v.overrides, pin))
-        out.append(v)
-    return out
-
-
-def _with(config: Mapping[str, Any], override: str) -> dict[str, Any]:
-    from pt_ray.core.config import apply_overrides
-
-    return apply_overrides(config, [override])
 
 
 def _spec(variants: Sequence[Variant], configs: Mapping[str, Any]) -> dict[str, Any]:
