@@ -397,6 +397,12 @@ class LoggingConfig(_Section):
     """Per-epoch progress on rank 0: ``bar`` redraws in place, ``lines`` writes a line per
     quarter of a long epoch, ``auto``: a bar on a terminal, lines elsewhere; ``off``: none."""
 
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML reads a bare off (``--set logging.progress=off``) as false.
+        return "off" if value is False else value
+
 
 class RunConfig(_Section):
     """Everything one pt-ray run needs. Written resolved beside the run's output."""
