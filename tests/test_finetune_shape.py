@@ -53,7 +53,7 @@ def test_switching_to_hf_weights_drops_the_files_shape_and_says_so(tmp_path, cap
         cfg = load_config(DEFAULT, ["model.family=hf", "model.name=bert",
                                     f"model.weights={weights}"])
     assert shape(cfg) == dict.fromkeys(SHAPE)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pt_ray.core.config"]
     assert len(lines) == 1
     assert all(f"model.{f} (was {v})" in lines[0] for f, v in SHAPE.items())
     assert "default.yaml" in lines[0]
