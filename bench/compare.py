@@ -27,11 +27,17 @@ Arms:
                is pt-ray over it (``--no-peer-arm``; ``--peer-order pt-ray`` trains it on
                pt-ray's sample order instead, to tell the order's draw from the engine's)
 
+``--workload NAME`` runs one of ``accuracy_matrix.py``'s workloads (its overrides on the default
+job, before ``--set``; its data written and any pre-trained model made under ``<out>``), e.g.
+``topics`` (MiniLM-L6 fine-tuned on Python's documentation topics) or ``digits-ft`` (the digits
+fine-tuned from a ViT pt-ray pre-trains on MNIST): every arm, the peer included, builds the same
+model from the same weights on the same data.
+
 Writes ``<out>/compare.json`` and ``<out>/compare.png`` and prints a table. Usage:
 
-    python bench/compare.py [--config FILE] [--set k=v ...] [--epochs N] [--repeats R]
-                            [--out bench/out] [--ablation] [--no-cache-arm] [--no-dp-arm]
-                            [--no-peer-arm] [--arms a,b,...] [--order abba|abab]
+    python bench/compare.py [--config FILE | --workload NAME] [--set k=v ...] [--epochs N]
+                            [--repeats R] [--out bench/out] [--ablation] [--no-cache-arm]
+                            [--no-dp-arm] [--no-peer-arm] [--arms a,b,...] [--order abba|abab]
                             [--warmup EPOCHS] [--peer-order distributed|pt-ray]
     python bench/compare.py --resummarise bench/out/compare.json --out bench/out
 """
@@ -57,6 +63,7 @@ from typing import Any
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from accuracy_matrix import WORKLOADS, prepare_workload  # noqa: E402
 from compare_output import write_report  # noqa: E402
 from compare_report import NO_FREEZE_ARMS, _med, bound_for  # noqa: E402
 from peer_ddp import SAMPLE_ORDERS, check_config, run_peer  # noqa: E402
@@ -300,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=None,
                         help="run config YAML (default: pt-ray's default job)")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default=None,
+                        help="accuracy_matrix.py's workload of this name: its overrides on the "
+                             "default job, before --set (its data and pre-trained model are "
+                             "made under --out)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override applied to every arm (repeatable)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the config's)")
@@ -355,6 +366,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--warmup must be 0 (none) or a number of epochs")
 
     overrides = list(args.overrides)
+    workload_record: dict[str, Any] = {}
+    if args.workload is not None:
+        if args.config is not None:
+            parser.error("--workload is a set of overrides on the default job; drop --config")
+        args.out.mkdir(parents=True, exist_ok=True)
+        made = prepare_workload(WORKLOADS[args.workload], args.out)
+        if made is None:
+            parser.error(f"--workload {args.workload} cannot run here (see above)")
+        overrides = [*made.overrides, *overrides]
+        workload_record = made.record
     if args.epochs is not None:
         overrides.append(f"epochs={args.epochs}")
     config = args.config if args.config is not None else default_config_path()
@@ -408,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "config": str(config),
+        "workload": args.workload,
+        **workload_record,
         "overrides": overrides,
         "engine": cfg.engine,
         "num_workers": cfg.pipeline.num_workers,

@@ -76,7 +76,9 @@ class _Peer:
     def __init__(self, cfg, splits) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg
-        self.model = DistributedDataParallel(build_model_for(cfg, splits).model)
+        adapter = build_model_for(cfg, splits)
+        self.names = peer_ddp.input_names(adapter)
+        self.model = DistributedDataParallel(adapter.model)
         self.per_worker = cfg.data.batch_size // world
         train = peer_ddp._Samples(splits.train)
         self.sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
@@ -94,7 +96,7 @@ class _Peer:
         t0 = time.perf_counter()
         _, self.seen = peer_ddp.train_epoch(self.model, self.loader, self.optimizer,
                                             self.cfg.optimizer, self.seen, self.total,
-                                            self.cfg.data.batch_size)
+                                            self.cfg.data.batch_size, self.names)
         return time.perf_counter() - t0
 
 

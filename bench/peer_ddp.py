@@ -2,8 +2,11 @@
 does not use pt-ray writes it.
 
 ``TorchTrainer`` runs :func:`train_loop_per_worker` on N CPU workers (gloo). Each worker builds
-the same dataset and the same timm model as pt-ray (``build_dataset`` and ``build_model_for``
-with the run's seed; the peer trains the wrapped ``nn.Module`` itself, not pt-ray's cut of it),
+the same dataset and the same model as pt-ray, from the same weights (``build_dataset`` and
+``build_model_for`` with the run's seed, so ``model.weights`` loads as in pt-ray and a fresh
+head draws the same values; the peer trains the wrapped ``nn.Module`` itself, not pt-ray's cut
+of it: a timm ViT called on the pixels, or a Hugging Face classifier called on its named text
+inputs, whose ``logits`` it scores),
 wraps it with ``ray.train.torch.prepare_model`` (DDP), and reads its shard of the training split
 through a ``DataLoader`` with a ``DistributedSampler`` (``shuffle=True``, the run's seed,
 ``set_epoch`` every epoch) and a per-worker batch of ``data.batch_size / N``; partial shards
@@ -25,9 +28,8 @@ keeps the ``DistributedSampler``: it is what a Ray user writes.
 What is measurement, not training: the epoch's training time is taken around the training
 loop only; the ranks' times, losses and correct counts are combined with one ``all_reduce``
 after the loop; each report carries the epochs so far, so that the driver reads the whole
-timeline from the last one. Only ``model.family=timm`` (the ViT family) is supported, on CPUs
-in fp32, with ``batch_policy=fixed_global``: an HF model's forward and loss differ from the
-timm one's.
+timeline from the last one. Classification only (timm ViTs and Hugging Face classifiers; not
+question answering), on CPUs in fp32, with ``batch_policy=fixed_global``.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.optim import lr_factor
 from pt_ray.runtime.build import build_model_for
 
-__all__ = ["SAMPLE_ORDERS", "PeerRun", "PtRayOrder", "check_config", "run_peer",
-           "train_loop_per_worker"]
+__all__ = ["SAMPLE_ORDERS", "PeerRun", "PtRayOrder", "check_config", "input_names", "logits",
+           "run_peer", "train_loop_per_worker"]
 
 SAMPLE_ORDERS = ("distributed", "pt-ray")
 """The peer's training order: a ``DistributedSampler``'s (the standard way), or pt-ray's."""
@@ -65,9 +67,9 @@ def check_config(cfg: RunConfig) -> None:
     Raises:
         ValueError: naming the field, its value and the fix.
     """
-    if cfg.model.family != "timm":
-        raise ValueError(f"model.family={cfg.model.family}: the peer arm trains timm ViTs only "
-                         "(an HF model's forward and loss differ); run with --no-peer-arm")
+    if cfg.data.name == "squad_json":
+        raise ValueError("data.name=squad_json: the peer arm trains classifiers only (a "
+                         "question-answering model's loss differs); run with --no-peer-arm")
     if cfg.batch_policy != "fixed_global":
         raise ValueError(f"batch_policy={cfg.batch_policy}: the peer arm keeps the global batch "
                          "fixed (data.batch_size / N per worker); use batch_policy=fixed_global")
@@ -81,7 +83,8 @@ def check_config(cfg: RunConfig) -> None:
 
 
 class _Samples(Dataset):
-    """A pt-ray split as a torch dataset of ``(pixels, target)`` pairs, for ``DataLoader``."""
+    """A pt-ray split as a torch dataset of ``(inputs, target)`` pairs, for ``DataLoader``:
+    ``inputs`` is the split's tuple (the pixels, or the token ids, mask and types)."""
 
     def __init__(self, split: SampleDataset) -> None:
         self.split = split
@@ -89,9 +92,27 @@ class _Samples(Dataset):
     def __len__(self) -> int:
         return len(self.split)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         _, inputs, target = self.split[index]
-        return inputs[0], target
+        return tuple(inputs), target
+
+
+def input_names(adapter: Any) -> tuple[str, ...]:
+    """How the peer passes a batch's inputs to the plain model: ``()`` positionally (a timm
+    ViT takes the pixels), else by these names (a Hugging Face classifier; the token types only
+    where its embeddings read them, as pt-ray's cut passes them)."""
+    if adapter.family == "timm":
+        return ()
+    names = tuple(adapter.input_names)
+    return names if adapter.spec.token_types else names[:2]
+
+
+def logits(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+           names: tuple[str, ...]) -> torch.Tensor:
+    """``logits[B, C]`` of the plain (or DDP-wrapped) model for a batch's inputs."""
+    if not names:
+        return model(*inputs)
+    return model(**dict(zip(names, inputs))).logits
 
 
 class PtRayOrder(Sampler[int]):
@@ -128,26 +149,27 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 @torch.no_grad()
-def _correct(model: torch.nn.Module, loader: DataLoader) -> int:
+def _correct(model: torch.nn.Module, loader: DataLoader, names: tuple[str, ...]) -> int:
     model.eval()
     correct = 0
-    for pixels, target in loader:
-        correct += int((model(pixels).argmax(dim=-1) == target).sum())
+    for inputs, target in loader:
+        correct += int((logits(model, inputs, names).argmax(dim=-1) == target).sum())
     model.train()
     return correct
 
 
 def train_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
-                opt_cfg, seen: int, total_samples: int, step_samples: int
-                ) -> tuple[torch.Tensor, int]:
+                opt_cfg, seen: int, total_samples: int, step_samples: int,
+                names: tuple[str, ...] = ()) -> tuple[torch.Tensor, int]:
     """One epoch of the peer's training loop (also what ``engine_tax.py`` times): the learning
     rate set from the samples seen, forward, backward (DDP reduces the gradients), clipping and
-    the step. Returns this rank's summed loss and the samples seen after the epoch."""
+    the step. ``names``: see :func:`input_names`. Returns this rank's summed loss and the
+    samples seen after the epoch."""
     loss_sum = torch.zeros(())
-    for pixels, target in loader:
+    for inputs, target in loader:
         for group in optimizer.param_groups:
             group["lr"] = opt_cfg.lr * lr_factor(seen / total_samples, opt_cfg)
-        loss = F.cross_entropy(model(pixels), target)
+        loss = F.cross_entropy(logits(model, inputs, names), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if opt_cfg.grad_clip is not None:
@@ -176,6 +198,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     built_data = time.time()
     adapter = build_model_for(cfg, splits)
     built_model = time.time()
+    names = input_names(adapter)
     model = ray.train.torch.prepare_model(adapter.model)
 
     per_worker = cfg.data.batch_size // world
@@ -204,12 +227,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
         loss_sum, seen = train_epoch(model, loader, optimizer, opt_cfg, seen, total_samples,
-                                     per_worker * world)
+                                     per_worker * world, names)
         train_time = time.perf_counter() - t0
 
         t1 = time.perf_counter()
         scored = cfg.evaluates_after(epoch)
-        correct = _correct(model, eval_loader) if scored else 0
+        correct = _correct(model, eval_loader, names) if scored else 0
         sums = torch.tensor([float(correct), float(loss_sum)], dtype=torch.float64)
         times = torch.tensor([train_time], dtype=torch.float64)
         if world > 1:

@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pt_ray.core.config import ConfigError, RunConfig, apply_overrides, build_config, load_config
+from pt_ray.core.config import ConfigError, RunConfig, build_config, layer_config, load_config
 from pt_ray.reporting.summary import EpochRecord, format_epoch, write_summary
 
 if TYPE_CHECKING:
@@ -36,7 +36,8 @@ def resolve_config(
     overrides: Iterable[str] = (),
 ) -> RunConfig:
     """A validated RunConfig from a RunConfig, a dict, a YAML path, or None (the default job),
-    with ``key=value`` overrides applied on top."""
+    with ``key=value`` overrides applied on top. Overrides that switch the model to a
+    checkpoint take its shape from the checkpoint (``pt_ray.core.config.layer_config``)."""
     overrides = list(overrides)
     if config is None:
         return load_config(default_config_path(), overrides)
@@ -46,7 +47,7 @@ def resolve_config(
         if not overrides:
             return config
         config = config.model_dump(mode="json")
-    return build_config(apply_overrides(config, overrides))
+    return build_config(layer_config(config, overrides, base_label="the given config"))
 
 
 def check_output_dir(run_dir: str | Path) -> None:

@@ -1,6 +1,7 @@
 """bench/accuracy_matrix.py: a tiny matrix trains every cell on the reference trainer and writes
 the JSON and table; the generated sentiment task is deterministic, labelled by its rules, and
-loads as GLUE TSV."""
+loads as GLUE TSV; the fine-tuning workloads take their shape from their checkpoints, and
+digits-ft's pre-trained ViT is made once and loads whole."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 # bench/ holds scripts, not a package: its modules import each other as top-level names.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import accuracy_matrix  # noqa: E402
+import finetune_data  # noqa: E402
 
 TINY = ["--workloads", "default", "--seeds", "0", "--jobs", "1", "--epochs", "2",
         "--set", "model.depth=3", "--set", "model.width=32", "--set", "model.num_heads=2",
@@ -159,3 +161,85 @@ def test_sentiment_tsv_is_deterministic_and_in_glue_layout(tmp_path):
         lengths = mask.sum(1)
         assert int(lengths.max()) <= seq_len
         assert bool((ids.gather(1, (lengths - 1)[:, None]) == sep).all())
+
+
+# -- the fine-tuning workloads ------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_topics_files_hold_thousands_of_passages_in_eight_classes(tmp_path):
+    root = finetune_data.write_topics_tsv(tmp_path / "topics")
+    train = (root / "train.tsv").read_text(encoding="utf-8").splitlines()
+    dev = (root / "dev.tsv").read_text(encoding="utf-8").splitlines()
+    assert train[0] == dev[0] == "sentence\tlabel"
+    assert len(train) - 1 >= 3000 and len(dev) - 1 >= 500
+    labels = {r.split("\t")[1] for r in train[1:]}
+    assert labels == set(finetune_data.TOPIC_CLASSES) and len(labels) == 8
+    assert {r.split("\t")[1] for r in dev[1:]} == labels
+    assert not set(train[1:]) & set(dev[1:])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["minilm", "topics"])
+def test_minilm_workloads_take_the_checkpoints_shape(tmp_path, name):
+    from pt_ray.api import default_config_path
+    from pt_ray.core.config import load_config
+
+    if accuracy_matrix.minilm_dir() is None:
+        pytest.skip(f"{accuracy_matrix.MINILM_PACKAGE} (pretrained MiniLM-L6) is not installed")
+    workload = accuracy_matrix.WORKLOADS[name]
+    assert not any(o.endswith("=null") for o in workload.overrides)  # no shape nulled by hand
+    made = accuracy_matrix.prepare_workload(workload, tmp_path)
+    cfg = load_config(default_config_path(), [*made.overrides, "freeze.policy=none"])
+    assert cfg.model.family == "hf" and cfg.model.weights == accuracy_matrix.minilm_dir()
+    assert (cfg.model.depth, cfg.model.width, cfg.model.num_heads, cfg.model.mlp_ratio,
+            cfg.model.patch_size) == (None,) * 5
+    assert (cfg.data.path / "train.tsv").is_file() and made.record == {}
+    if name == "topics":
+        assert (cfg.data.seq_len, cfg.data.batch_size, cfg.epochs) == (32, 32, 5)
+        assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (2e-4, 0.01)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_digits_ft_pretrains_once_and_fine_tunes_from_the_export(tmp_path):
+    """A tiny pre-training (the real one is 10 epochs of 4,000 MNIST digits) through the same
+    function: the export is made once, reused, and the digits-ft config builds its model from
+    it, the shape and the head included."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pt_ray.api import default_config_path, preflight
+    from pt_ray.core.config import load_config
+
+    tiny = (*finetune_data.UPSTREAM, "epochs=1", "data.num_samples=128", "model.depth=2",
+            "model.width=32", "model.num_heads=2")
+    export, record = finetune_data.pretrained_digits_vit(tmp_path, tiny)
+    assert export == tmp_path / "pretrained" / "digits-ft" / "model"
+    assert record["reused"] is False and record["overrides"] == list(tiny)
+    assert record["seconds"] > 0 and 0 <= record["final_metric"] <= 1
+    again, second = finetune_data.pretrained_digits_vit(tmp_path, tiny)
+    assert again == export and second == {**record, "reused": True}
+
+    workload = accuracy_matrix.WORKLOADS["digits-ft"]
+    cfg = load_config(default_config_path(), [*workload.overrides, f"model.weights={export}"])
+    assert cfg.data.name == "digits" and cfg.data.image_size == 16 and cfg.model.depth is None
+    splits, adapter = preflight(cfg)
+    assert adapter.num_layers == 2 and splits.num_classes == 10
+    saved, own = load_file(str(export / "model.safetensors")), adapter.model.state_dict()
+    # Every weight comes from the export; the head too: both sides classify the digits 0-9.
+    assert saved.keys() == own.keys() and all(torch.equal(saved[k], own[k]) for k in saved)
+
+
+@pytest.mark.unit
+def test_the_table_says_what_the_pre_training_took():
+    upstream = {"overrides": [], "seconds": 55.25, "cpu_seconds": 46.1, "final_metric": 0.902,
+                "reused": False}
+    cells = [{"workload": "digits-ft", "policy": p, "seed": 0, "final_metric": m,
+              "metrics": [m], "num_frozen": [0], "num_layers": 6, "bound": 1.0,
+              "upstream": upstream} for p, m in (("none", 0.95), ("converged", 0.95))]
+    table = accuracy_matrix.summarise({"cells": cells})
+    assert ("- digits-ft: its pre-trained model took 55.2 s (46.1 s CPU; trained for this "
+            "run) and scored 90.20% on its eval split") in table
+    cells[0]["upstream"] = {**upstream, "reused": True}
+    assert "trained by an earlier run" in accuracy_matrix.summarise({"cells": cells})

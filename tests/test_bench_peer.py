@@ -42,7 +42,8 @@ def tiny_config(tmp_path, **extra):
 @pytest.mark.unit
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"model": {"family": "hf", "name": "bert", "depth": 2, "width": 32, "num_heads": 2},
-      "data": {"name": "synthetic_text", "batch_size": 32}}, r"model\.family=hf"),
+      "data": {"name": "squad_json", "path": "squad", "batch_size": 32}},
+     r"data\.name=squad_json: the peer arm trains classifiers only"),
     ({"batch_policy": "per_replica"}, r"batch_policy=per_replica"),
     ({"precision": "bf16"}, r"precision=bf16"),
     ({"pipeline": {"num_workers": 2, "use_gpu": True}}, r"use_gpu=True"),
@@ -50,6 +51,35 @@ def tiny_config(tmp_path, **extra):
 def test_peer_refuses_what_it_cannot_run_like_for_like(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         peer_ddp.check_config(tiny_config(tmp_path, **overrides))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["timm", "hf"])
+def test_the_peers_forward_is_pt_rays_on_the_same_batches(tmp_path, family):
+    """The peer calls the plain model (a ViT on pixels, a BERT classifier on its named text
+    inputs); its logits and loss are those of pt-ray's cut of the same model."""
+    from torch.utils.data import DataLoader
+
+    from pt_ray.models import forward_layers
+
+    extra = {} if family == "timm" else {
+        "model": {"family": "hf", "name": "bert", "depth": 2, "width": 32, "num_heads": 2,
+                  "mlp_ratio": 2.0},
+        "data": {"name": "synthetic_text", "num_samples": 64, "seq_len": 12, "batch_size": 32,
+                 "num_classes": NUM_CLASSES}}
+    cfg = tiny_config(tmp_path, **extra)
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)
+    adapter.model.eval()
+    names = peer_ddp.input_names(adapter)
+    inputs, target = next(iter(DataLoader(peer_ddp._Samples(splits.train), batch_size=8)))
+    with torch.no_grad():
+        peer = peer_ddp.logits(adapter.model, inputs, names)
+        ours = forward_layers(adapter, tuple(inputs))
+    torch.testing.assert_close(peer, ours)
+    assert peer.shape == (8, NUM_CLASSES)
+    torch.testing.assert_close(torch.nn.functional.cross_entropy(peer, target),
+                               adapter.loss(ours, target))
 
 
 @pytest.mark.ray

@@ -131,3 +131,11 @@ def test_eval_and_checkpoint_cadence_rule():
     assert [e for e in range(7) if cfg.checkpoints_after(e)] == [1, 3, 5, 6]
     every = build_config({"epochs": 3})
     assert all(every.evaluates_after(e) and every.checkpoints_after(e) for e in range(3))
+
+
+def test_bare_off_from_yaml_turns_progress_and_cache_off(tmp_path):
+    # YAML reads a bare off as false; --set logging.progress=off must still mean "off".
+    cfg = load_config(None, ["logging.progress=off", "cache.mode=off"])
+    assert (cfg.logging.progress, cfg.cache.mode) == ("off", "off")
+    with pytest.raises(ConfigError, match=r"logging\.progress=True: Input should be 'auto'"):
+        load_config(None, ["logging.progress=on"])

