@@ -3,6 +3,7 @@
 import pytest
 
 from pt_ray.core.freeze import (
+    LOSS_KEY,
     FreezeDecision,
     FreezeGuard,
     PaperFreeze,
@@ -207,3 +208,77 @@ def test_guard_state_round_trips():
     clone = FreezeGuard(points=0.5, rollback=True)
     clone.load_state_dict(guard.state_dict())
     assert clone.epochs == guard.epochs and clone.verdict == guard.verdict and clone.stopped
+
+
+# -- settled: converged, or settled once the loss has reached a plateau -------------------------
+
+
+def _fine_tuning(losses, rises=None):
+    """Norms of four blocks as a fine-tuned pretrained model shows them (rising for three
+    decisions while the fresh head grows, then holding their level), with ``losses[d]`` as
+    interval d's mean loss; ``rises`` maps a block to a factor its norm grows by per decision
+    after that."""
+    series = []
+    for d, loss in enumerate(losses):
+        level = [0.2, 0.6, 1.0][d] if d < 3 else 1.0
+        norms = {b: level * (2.0 - 0.3 * b) * (1 + (rises or {}).get(b, 0.0)) ** max(d - 2, 0)
+                 for b in range(4)}
+        series.append({**norms, LOSS_KEY: loss})
+    return series
+
+
+def test_settled_freezes_nothing_while_the_loss_still_falls():
+    # The norms hold their level from decision 3 on, but the loss falls 0.1 a decision (5% of
+    # its first value): the run still learns, so nothing settles and nothing converged.
+    policy = build_freeze_policy("settled", num_layers=4, alpha=1.0, warmup=0)
+    losses = [2.0 - 0.1 * d for d in range(12)]
+    assert _feed(policy, _fine_tuning(losses)) == [0] * 12
+    assert not policy.plateaued()
+    assert "neither converged nor settled" in policy.decide(13, 0, None).reason
+
+
+def test_settled_freezes_the_leading_blocks_once_the_loss_reaches_a_plateau():
+    # The same norms; the loss stops falling after decision 5 (it moves by 0.005, 0.25% of its
+    # first value). Two decisions later both windows hold the flat loss: a plateau, and every
+    # block has held its level, so the prefix grows by at most ceil(alpha x active) per decision.
+    policy = build_freeze_policy("settled", num_layers=4, alpha=0.5, warmup=0, max_frozen=3)
+    losses = [2.0, 1.6, 1.3, 1.1, 1.0, 0.9] + [0.9 - 0.005 * i for i in range(6)]
+    frozen = _feed(policy, _fine_tuning(losses))
+    assert frozen == [0] * 8 + [2, 3, 3, 3]
+    assert policy.plateaued() and policy.settled(3)
+
+
+def test_settled_stops_the_prefix_at_a_block_whose_norm_still_rises():
+    # After the plateau block 1's norm grows 20% a decision (more than the 10% tolerance): block
+    # 0 freezes, block 1 does not, and the prefix stays contiguous (blocks 2 and 3 wait).
+    policy = build_freeze_policy("settled", num_layers=4, alpha=1.0, warmup=0, max_frozen=3)
+    losses = [2.0, 1.6, 1.3, 1.1, 1.0, 0.9] + [0.9] * 6
+    frozen = _feed(policy, _fine_tuning(losses, rises={1: 0.2}))
+    assert frozen[-1] == 1 and not policy.settled(1) and policy.settled(2)
+
+
+def test_settled_freezes_a_converged_block_before_any_plateau():
+    # From scratch: block 0's norm falls to 0.2 of its peak while the loss still falls by a
+    # third a decision. It passes the converged test; block 1 (at half its peak) does not.
+    policy = build_freeze_policy("settled", num_layers=3, alpha=1.0, warmup=0, max_frozen=2)
+    series = [{0: n0, 1: n1, 2: 1.0, LOSS_KEY: loss} for n0, n1, loss in
+              [(1.0, 1.0, 2.3), (3.0, 2.0, 1.5), (0.6, 1.0, 1.0), (0.5, 1.0, 0.7)]]
+    assert _feed(policy, series[:3]) == [0, 0, 0]
+    d = policy.decide(4, 0, series[3])
+    assert d.num_frozen == 1 and "(converged 1; loss 0.7, still falling)" in d.reason
+
+
+def test_settled_memory_survives_a_checkpoint():
+    policy = build_freeze_policy("settled", num_layers=4, alpha=0.5, warmup=0, max_frozen=3)
+    losses = [2.0, 1.6, 1.3, 1.1, 1.0, 0.9] + [0.9] * 2
+    series = _fine_tuning(losses)
+    _feed(policy, series)
+    clone = build_freeze_policy("settled", num_layers=4, alpha=0.5, warmup=0, max_frozen=3)
+    clone.load_state_dict(policy.state_dict())
+    assert clone.losses == policy.losses and clone.history == policy.history
+    more = _fine_tuning(losses + [0.9] * 3)[len(losses):]
+    n = 0
+    for d, norms in enumerate(more, start=len(losses) + 1):
+        a, b = policy.decide(d, n, norms), clone.decide(d, n, norms)
+        assert a == b
+        n = a.num_frozen

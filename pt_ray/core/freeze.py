@@ -15,7 +15,8 @@ Policies:
   test when its gradient norm has stayed at or below ``ratio`` of the largest norm it has had
   for ``window`` consecutive decisions; the frozen prefix grows over the leading blocks that
   pass (it stays contiguous), by at most ``ceil(alpha * active)`` blocks per decision.
-* ``paper`` (He et al., "PipeTransformer", ICML 2021, Sec. 3.1): the paper's rule. With ``n' = n(T-1)``:
+* ``paper`` (He et al., "PipeTransformer", ICML 2021, Sec. 3.1): the paper's rule. With
+  ``n' = n(T-1)``:
     1. bound ``b = n' + ceil(alpha * (L - n'))`` (the tunable geometric upper bound);
     2. for every active block ``l in [n', L)`` take its gradient norm at T relative to its own
        first recorded norm; the block with the smallest ratio is taken as converged;

@@ -116,7 +116,7 @@ class ElasticWorker:
             whatever the plans say).
         comm: the run's communication (default: built for ``device`` over WORLD).
         fault: the fault this rank injects in tests (:mod:`pt_ray.runtime.faults`): the engine
-            reaches the ``migration`` and ``checkpoint`` points.
+            reaches the ``migration``, ``checkpoint`` and ``eval`` points.
     """
 
     def __init__(
@@ -623,6 +623,8 @@ class ElasticWorker:
             held = store_figures(self.prefix, self.rank)
         evaluated = cfg.evaluates_after(epoch)
         correct, eval_time = self.count_correct() if evaluated else (0, 0.0)
+        if evaluated and self.fault is not None and self.fault.due("eval", epoch):
+            correct = 0
         # One gather carries every figure of the epoch end: each rank's loss share, correct
         # count, times, store figures and memory row, and its last interval's block norms.
         mine = [float(loss_sum), float(correct), epoch_time, transition, *held, *memory]

@@ -15,6 +15,8 @@ the others. The points:
   empty; the worker group restarts from the checkpoint and restores its state).
 - ``hang``: the rank stops answering before that step (sleeps while its peers wait inside a
   collective) until its process is ended.
+- ``eval``: the rank counts none of its correct predictions in the epoch's evaluation, so the
+  eval metric falls as after a harmful freeze (the accuracy guard's input).
 
 Every point except ``step``, ``controller`` and ``hang`` is reached from the torch runtime,
 which calls :meth:`FaultSwitch.at` (a no-op without the variable).
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 FAULT_ENV = "PT_RAY_FAULT"
 
-POINTS = ("step", "migration", "checkpoint", "controller", "hang")
+POINTS = ("step", "migration", "checkpoint", "controller", "hang", "eval")
 
 
 def kill_self() -> None:

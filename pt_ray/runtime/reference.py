@@ -323,7 +323,8 @@ class ReferenceTrainer:
         cfg = self.cfg
         transition = 0.0
         self._epoch = epoch
-        if self.guard.rollback and not self.guard.stopped and self.num_frozen < self.policy.max_frozen:
+        g = self.guard
+        if g.rollback and not g.stopped and self.num_frozen < self.policy.max_frozen:
             # A freeze anywhere in this epoch that the guard finds harmful returns here.
             self.snapshots[epoch] = self._snapshot()
         transition += self.decide(self.decision)
