@@ -3,6 +3,7 @@
 import pytest
 
 from pt_ray.core.config import ConfigError, RunConfig, build_config, load_config
+from pt_ray.api import default_config_path
 
 pytestmark = pytest.mark.unit
 
@@ -139,3 +140,16 @@ def test_bare_off_from_yaml_turns_progress_and_cache_off(tmp_path):
     assert (cfg.logging.progress, cfg.cache.mode) == ("off", "off")
     with pytest.raises(ConfigError, match=r"logging\.progress=True: Input should be 'auto'"):
         load_config(None, ["logging.progress=on"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.family=hf", "model.name=bert"],
+     r"model\.family=hf is a text model and data\.name=digits holds images; set data\.name to "
+     r"one of glue_tsv, squad_json, synthetic_text"),
+    (["data.name=synthetic_text"],
+     r"data\.name=synthetic_text is text and needs a text model; set model\.family=hf"),
+])
+def test_a_model_family_and_a_dataset_of_the_other_kind_fail_before_anything_starts(
+        overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(default_config_path(), overrides)

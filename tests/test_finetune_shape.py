@@ -50,7 +50,7 @@ def timm_export(tmp_path: Path, image_size: int = 8) -> Path:
 def test_switching_to_hf_weights_drops_the_files_shape_and_says_so(tmp_path, caplog):
     weights = hf_dir(tmp_path)
     with caplog.at_level(logging.INFO, logger="pt_ray.core.config"):
-        cfg = load_config(DEFAULT, ["model.family=hf", "model.name=bert",
+        cfg = load_config(DEFAULT, ["model.family=hf", "model.name=bert", "data.name=synthetic_text",
                                     f"model.weights={weights}"])
     assert shape(cfg) == dict.fromkeys(SHAPE)
     lines = [r.getMessage() for r in caplog.records if r.name == "pt_ray.core.config"]
@@ -64,7 +64,8 @@ def test_switching_to_hf_weights_drops_the_files_shape_and_says_so(tmp_path, cap
 
 def test_shape_the_user_sets_is_kept_and_must_match_the_checkpoint(tmp_path):
     weights = hf_dir(tmp_path)
-    switch = ["model.family=hf", "model.name=bert", f"model.weights={weights}"]
+    switch = ["model.family=hf", "model.name=bert", "data.name=synthetic_text",
+              f"model.weights={weights}"]
     cfg = load_config(DEFAULT, [*switch, "model.width=32", "model.depth=1"])
     assert (cfg.model.width, cfg.model.depth, cfg.model.num_heads) == (32, 1, None)
     assert build_adapter(cfg.model, num_classes=3, vocab_size=100).num_layers == 1
@@ -77,7 +78,8 @@ def test_shape_the_user_sets_is_kept_and_must_match_the_checkpoint(tmp_path):
 def test_shape_set_in_the_same_layer_as_the_weights_is_kept(tmp_path):
     weights = hf_dir(tmp_path)
     job = tmp_path / "job.yaml"
-    job.write_text(f"model:\n  family: hf\n  name: bert\n  weights: {weights}\n  depth: 1\n")
+    job.write_text(f"model:\n  family: hf\n  name: bert\n  weights: {weights}\n  depth: 1\n"
+                   "data:\n  name: synthetic_text\n")
     cfg = load_config(job, ["epochs=2", f"model.weights={weights}"])  # the same weights
     assert cfg.model.depth == 1
     # Overrides that do not switch the model drop nothing.

@@ -131,3 +131,26 @@ def test_eval_and_checkpoint_cadence(ray_cluster, tmp_path, reference_params):
     exported = load_file(str(moved / "model" / "model.safetensors"))
     assert again.keys() == exported.keys()
     assert all(torch.equal(again[k], v) for k, v in exported.items())
+
+
+def test_rollback_on_ray_train_equals_a_run_that_never_froze_that_block(ray_cluster, tmp_path):
+    # Block 2 freezes as epoch 2 opens (n 2 -> 3, K 1, R 2), and that epoch's evaluation loses
+    # rank 1's share of the correct answers (the `eval` fault): the guard orders a rollback to
+    # epoch 2's start with 2 blocks frozen, every worker restores its snapshot, and epoch 2 is
+    # trained again. The parameters end where a reference run capped at 2 frozen blocks ends.
+    marker = tmp_path / "fault-fired"
+    env = {FAULT_ENV: f"eval:2:0:1:{marker}"}
+    freeze = {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1,
+              "rollback": True}
+    result = fit(tiny_config(tmp_path, name="ray-rollback", freeze=freeze), worker_env=env)
+    assert marker.exists(), "the fault was never injected"
+    assert result.restarts == 0
+    assert [(r["epoch"], r["rollback_to"], r["num_frozen"], r["undone"])
+            for r in result.rollbacks] == [(2, 2, 2, 3)]
+    assert [(r.epoch, r.num_frozen) for r in result.timeline] == [(0, 0), (1, 2), (2, 2)]
+    capped = tiny_config(tmp_path / "ref", engine="reference",
+                         freeze={**freeze, "max_frozen": 2, "rollback": False})
+    trainer = ReferenceTrainer(capped)
+    trainer.fit()
+    reference = {name: m.state_dict() for name, m in iter_layers(trainer.adapter)}
+    assert max_difference(result.checkpoint, reference) <= 1e-4

@@ -429,6 +429,10 @@ class LoggingConfig(_Section):
         return "off" if value is False else value
 
 
+TEXT_DATASETS = ("glue_tsv", "squad_json", "synthetic_text")
+"""The datasets of token sequences (the others hold images)."""
+
+
 class RunConfig(_Section):
     """Everything one pt-ray run needs. Written resolved beside the run's output."""
 
@@ -529,10 +533,17 @@ class RunConfig(_Section):
                     f"data.name={self.data.name} reads local files; set data.path to their "
                     "folder (nothing is downloaded)"
                 )
-        if self.data.name == "squad_json" and self.model.family != "hf":
+        text = self.data.name in TEXT_DATASETS
+        if text and self.model.family != "hf":
             raise ValueError(
-                "data.name=squad_json needs a text model; set model.family=hf "
-                "(e.g. model.name=bert)"
+                f"data.name={self.data.name} is text and needs a text model; set "
+                "model.family=hf (e.g. model.name=bert)"
+            )
+        if not text and self.model.family == "hf":
+            raise ValueError(
+                f"model.family=hf is a text model and data.name={self.data.name} holds images; "
+                f"set data.name to one of {', '.join(TEXT_DATASETS)} (with data.path for files), "
+                "or model.family=timm"
             )
         return self
 
