@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch import nn
 
-from pt_ray.data.sampler import CacheBlocks
+from pt_ray.data.sampler import CacheBlocks, GlobalSampler
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers
 from pt_ray.runtime.prefix import CachedPrefix
@@ -111,7 +111,7 @@ class Replica:
 def run_epoch(replicas, blocks, epoch, level, batch=32):
     """One epoch of both replicas (each its half of every step), then the end-of-epoch
     flush once both have drained, as the engine orders it."""
-    order = blocks.order(0, epoch)
+    order = GlobalSampler(blocks.num_samples, batch, 0).epoch_order(epoch)  # the run's order
     steps = [order[s:s + batch] for s in range(0, len(order) - batch + 1, batch)]
     per = ray.get([rep.epoch.remote([np.array_split(s, 2)[r] for s in steps], level)
                    for r, rep in enumerate(replicas)])
@@ -231,7 +231,7 @@ def test_a_lost_node_turns_its_rows_into_misses_or_reads_of_a_surviving_copy(
     # The replica on the node to be lost computes every row; node b's owner copies the even
     # blocks (as b's worker would at an epoch's end), node a's holds nothing.
     rx, ra = on(x).remote(names, blocks), on(a).remote(names, blocks)
-    order = blocks.order(0, 0)
+    order = GlobalSampler(blocks.num_samples, 32, 0).epoch_order(0)
     steps = [order[s:s + 32] for s in range(0, len(order), 32)]
     assert ray.get(rx.epoch.remote(steps, 1))["misses"] == 256
     ray.get(rx.flush.remote())

@@ -209,11 +209,13 @@ def test_block_norms_merge_over_ranks_in_rank_order_whatever_stage_holds_them():
     # stage 1 blocks 3-5; a stage's replicas hold equal values, the first rank's is kept.
     import math
 
+    from pt_ray.core.freeze import LOSS_KEY
     from pt_ray.runtime.norms import merge_block_norms, norm_row
 
-    stage0, stage1 = {1: 0.5, 2: 0.25}, {3: 1.0, 4: 2.0, 5: 4.0}
+    # Last stages (ranks 1 and 3) hold their replica's mean loss / R: the loss is their sum.
+    stage0, stage1 = {1: 0.5, 2: 0.25}, {3: 1.0, 4: 2.0, 5: 4.0, LOSS_KEY: 0.75}
     rows = [norm_row(stage0, 6), norm_row(stage1, 6), norm_row(stage0, 6),
-            norm_row({**stage1, 5: 9.0}, 6)]
-    assert math.isnan(rows[0][0]) and rows[0][1:3] == [0.5, 0.25]
-    assert merge_block_norms(rows) == {1: 0.5, 2: 0.25, 3: 1.0, 4: 2.0, 5: 4.0}
+            norm_row({**stage1, 5: 9.0, LOSS_KEY: 0.5}, 6)]
+    assert math.isnan(rows[0][0]) and rows[0][1:3] == [0.5, 0.25] and rows[0][6] == 0.0
+    assert merge_block_norms(rows) == {1: 0.5, 2: 0.25, 3: 1.0, 4: 2.0, 5: 4.0, LOSS_KEY: 1.25}
     assert merge_block_norms([norm_row({}, 6)] * 2) == {}  # policy none: nothing measured
