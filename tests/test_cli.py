@@ -161,7 +161,8 @@ import atexit, gc, runpy, sys
 atexit.register(lambda: print("frozen", gc.get_freeze_count()))
 kind, target = sys.argv[1], sys.argv[2]
 sys.argv = [target, *sys.argv[3:]]
-runpy.run_module(target, run_name="__main__") if kind == "module" else runpy.run_path(target, run_name="__main__")
+run = runpy.run_module if kind == "module" else runpy.run_path
+run(target, run_name="__main__")
 """
 
 

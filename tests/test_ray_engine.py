@@ -42,13 +42,18 @@ def tiny_config(tmp_path, **extra):
     })
 
 
-@pytest.fixture(scope="module")
-def reference_params(tmp_path_factory):
+def reference_layers(tmp_path_factory) -> dict:
+    """Every layer's state after the reference trainer's run of :func:`tiny_config`."""
     cfg = tiny_config(tmp_path_factory.mktemp("ref"), engine="reference")
     trainer = ReferenceTrainer(cfg)
     trainer.fit()
     return {name: {k: v.clone() for k, v in m.state_dict().items()}
             for name, m in iter_layers(trainer.adapter)}
+
+
+@pytest.fixture(scope="module")
+def reference_params(tmp_path_factory):
+    return reference_layers(tmp_path_factory)
 
 
 def max_difference(checkpoint, reference):

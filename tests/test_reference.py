@@ -336,7 +336,8 @@ def test_accumulation_in_four_chunks_equals_the_whole_batch_across_a_freeze():
         trainer = ReferenceTrainer(cfg)
         sizes: list[int] = []
         trainer.adapter.head.register_forward_hook(
-            lambda module, args, out: sizes.append(out.shape[0]) if module.training else None)
+            lambda module, args, out, sizes=sizes:
+                sizes.append(out.shape[0]) if module.training else None)
         timeline = trainer.fit()
         runs[steps] = (trainer, timeline, sizes)
     (one, one_timeline, one_sizes), (four, four_timeline, four_sizes) = runs[1], runs[4]
