@@ -74,7 +74,9 @@ def test_two_workers_on_ray_train_match_reference_and_replan(ray_cluster, tmp_pa
     # under load a noisy embedding or head time moves the first stage boundary.
     assert layout[0] == (0, 2, 1) and layout[2] == (3, 1, 2)
     assert layout[1] in ((2, 2, 1), (2, 1, 2))
-    assert all(r.transition_time_s < 2.0 for r in result.timeline)
+    # Each later epoch entered its new layout live, inside the one worker group (no restart);
+    # epoch 0's plan was entered at start-up.
+    assert [r.transition_time_s > 0 for r in result.timeline] == [False, True, True]
     assert result.checkpoint is not None and result.restarts == 0
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
     summary = (result.run_dir / "summary.json").read_text()
