@@ -145,7 +145,7 @@ def breakdown_lines(data: dict[str, Any]) -> list[str]:
         recs = data["runs"][arm]
         q = parts.get(arm)
 
-        def part(key: str, width: int) -> str:
+        def part(key: str, width: int, q: dict | None = q) -> str:
             if not q or q[key] is None:
                 return f"{'?':>{width}}"
             return f"{q[key]:>{width}.{2 if key == 'per_epoch_overhead_s' else 1}f}"

@@ -279,8 +279,9 @@ def table(result: dict) -> str:
     if "share_of_datasheet_peak" in result:
         lines.append(
             f"no-freeze step: {result['achieved_flops'] / 1e12:.0f} TFLOP/s of model FLOPs = "
-            f"{result['share_of_datasheet_peak']:.1%} of the {result['datasheet_bf16_peak'] / 1e12:.0f}"
-            f" TFLOP/s bf16 datasheet peak, {result['share_of_measured_peak']:.1%} of the "
+            f"{result['share_of_datasheet_peak']:.1%} of the "
+            f"{result['datasheet_bf16_peak'] / 1e12:.0f} TFLOP/s bf16 datasheet peak, "
+            f"{result['share_of_measured_peak']:.1%} of the "
             f"{result['measured_matmul_peak'] / 1e12:.0f} TFLOP/s measured matmul peak")
     if not all(math.isfinite(r["final_train_loss"]) for r in result["rows"]):
         lines.append("WARNING: a non-finite training loss")

@@ -22,7 +22,7 @@ TINY = ["--workloads", "default", "--seeds", "0", "--jobs", "1", "--epochs", "2"
         "--set", "data.num_samples=256", "--set", "freeze.warmup_epochs=1"]
 
 
-@pytest.mark.dist
+@pytest.mark.proc  # the cells run in a spawned process pool
 @pytest.mark.timeout(120)
 def test_tiny_matrix_writes_every_cell_and_the_table(tmp_path, capsys):
     doc = accuracy_matrix.main([*TINY, "--policies", "none,schedule", "--out", str(tmp_path)])
@@ -200,7 +200,7 @@ def test_minilm_workloads_take_the_checkpoints_shape(tmp_path, name):
         assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (2e-4, 0.01)
 
 
-@pytest.mark.dist
+@pytest.mark.proc  # the pre-training runs in a spawned process
 @pytest.mark.timeout(240)
 def test_digits_ft_pretrains_once_and_fine_tunes_from_the_export(tmp_path):
     """A tiny pre-training (the real one is 10 epochs of 4,000 MNIST digits) through the same

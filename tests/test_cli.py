@@ -12,7 +12,6 @@ from pt_ray.cli import main
 from pt_ray.core.config import load_config
 from pt_ray.reporting.summary import EpochRecord, ideal_speedup
 
-pytestmark = pytest.mark.unit
 
 TINY = [
     "--set", "engine=reference",
@@ -34,6 +33,7 @@ RECORD_KEYS = {
 }
 
 
+@pytest.mark.unit
 def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     caplog.set_level(logging.INFO)
     out = tmp_path / "run"
@@ -80,6 +80,7 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     assert "final accuracy" in stdout and str(out / "summary.json") in stdout
 
 
+@pytest.mark.unit
 def test_explicit_precision_is_recorded(tmp_path):
     out = tmp_path / "run"
 
@@ -89,6 +90,7 @@ def test_explicit_precision_is_recorded(tmp_path):
     assert load_config(out / "config.yaml").precision == "bf16"
 
 
+@pytest.mark.unit
 def test_use_gpu_true_without_gpus_exits_2_in_one_line_before_anything_starts(
         tmp_path, capsys, monkeypatch):
     import ray
@@ -113,6 +115,7 @@ def test_use_gpu_true_without_gpus_exits_2_in_one_line_before_anything_starts(
     assert not out.exists()
 
 
+@pytest.mark.unit
 def test_bad_override_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "run"
 
@@ -125,6 +128,7 @@ def test_bad_override_exits_2_naming_the_field_and_writes_nothing(tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.unit
 def test_unknown_field_suggests_the_close_one(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--set", "freeze.alpah=0.5", "--output", str(out)]) == 2
@@ -141,6 +145,7 @@ def _record(epoch: int, num_frozen: int) -> EpochRecord:
     )
 
 
+@pytest.mark.unit
 def test_ideal_speedup_of_a_literal_timeline():
     timeline = [_record(e, n) for e, n in enumerate([0, 2, 3, 3])]
     # No freezing: 4 epochs x 4 blocks x 3 units = 48. This run: 12 + (6 + 2) + (3 + 3) + (3 + 3)
@@ -161,10 +166,12 @@ import atexit, gc, runpy, sys
 atexit.register(lambda: print("frozen", gc.get_freeze_count()))
 kind, target = sys.argv[1], sys.argv[2]
 sys.argv = [target, *sys.argv[3:]]
-runpy.run_module(target, run_name="__main__") if kind == "module" else runpy.run_path(target, run_name="__main__")
+run = runpy.run_module if kind == "module" else runpy.run_path
+run(target, run_name="__main__")
 """
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("kind, target, args", [
     ("module", "pt_ray.cli", ["train", "--set", "epochs=0"]),  # python -m pt_ray.cli
     ("path", "jobs/train.py", ["--set", "epochs=0"]),  # the ray job submit entrypoint
@@ -186,6 +193,7 @@ def test_the_entry_points_exit_without_collecting_what_they_loaded(kind, target,
     assert frozen > 0  # atexit still ran, and what was alive stayed out of the collections
 
 
+@pytest.mark.unit
 def test_console_exits_with_the_commands_status_after_freezing(monkeypatch):
     import gc
 

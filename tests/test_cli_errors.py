@@ -18,7 +18,7 @@ import yaml
 from local_models import TOKENIZER, needs_tokenizer
 from pt_ray.cli import main
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,6 +76,7 @@ def fails(capsys, tmp_path: Path, args: list[str], *expected: str):
 # -- the config ---------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_bad_value_and_bad_yaml(tmp_path, capsys):
     fails(capsys, tmp_path, ["--set", "freeze.alpha=1.5"], "freeze.alpha=1.5",
           "less than or equal to 1")
@@ -87,6 +88,7 @@ def test_bad_value_and_bad_yaml(tmp_path, capsys):
 # -- the dataset --------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_dataset_path_unset_or_missing(tmp_path, capsys):
     fails(capsys, tmp_path, ["--config", config_file(tmp_path, data={"name": "cifar10"})],
           "data.name=cifar10", "set data.path")
@@ -99,6 +101,7 @@ def test_dataset_path_unset_or_missing(tmp_path, capsys):
           str(nowhere / "train"), "set data.path to a folder laid out as")
 
 
+@pytest.mark.unit
 def test_cifar_batch_that_is_not_a_pickle_or_not_a_batch(tmp_path, capsys):
     folder = tmp_path / "cifar" / "cifar-10-batches-py"
     folder.mkdir(parents=True)
@@ -113,6 +116,7 @@ def test_cifar_batch_that_is_not_a_pickle_or_not_a_batch(tmp_path, capsys):
     fails(capsys, tmp_path, args, "holds a pickled list", "set data.path")
 
 
+@pytest.mark.unit
 @needs_tokenizer
 def test_glue_and_squad_files_that_cannot_be_read(tmp_path, capsys):
     glue = tmp_path / "glue"
@@ -137,6 +141,7 @@ def test_glue_and_squad_files_that_cannot_be_read(tmp_path, capsys):
 # -- the model ----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_models_timm_does_not_know_or_cannot_build(tmp_path, capsys):
     typo = {**VIT, "name": "vit_tinny_patch16_224"}
     fails(capsys, tmp_path, ["--config", config_file(tmp_path, typo)],
@@ -158,6 +163,7 @@ def test_models_timm_does_not_know_or_cannot_build(tmp_path, capsys):
 # -- weights files ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_timm_weights_missing_not_a_state_dict_or_corrupt(tmp_path, capsys):
     def with_weights(path: Path) -> list[str]:
         return ["--config", config_file(tmp_path, {**VIT, "weights": str(path)})]
@@ -175,6 +181,7 @@ def test_timm_weights_missing_not_a_state_dict_or_corrupt(tmp_path, capsys):
               f"model.weights='{tmp_path / name}' cannot be read", "save one with torch.save")
 
 
+@pytest.mark.unit
 def test_hf_weights_without_config_or_with_broken_files(tmp_path, capsys):
     from transformers import BertConfig
 
@@ -203,6 +210,7 @@ def test_hf_weights_without_config_or_with_broken_files(tmp_path, capsys):
 # -- the output folder --------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_output_folder_that_cannot_be_created(tmp_path, capsys):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
@@ -215,6 +223,7 @@ def test_output_folder_that_cannot_be_created(tmp_path, capsys):
     assert "data digits" not in printed.out  # refused before the dataset was built
 
 
+@pytest.mark.unit
 def test_output_folder_in_a_read_only_folder(tmp_path, capsys, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
@@ -237,6 +246,7 @@ def glue(tmp_path) -> Path:
     return root
 
 
+@pytest.mark.unit
 def test_text_data_without_a_tokenizer(tmp_path, capsys, glue):
     data = {"name": "glue_tsv", "path": str(glue), "seq_len": 16}
     fails(capsys, tmp_path, ["--config", config_file(tmp_path, BERT, data=data)],
@@ -256,6 +266,7 @@ def test_text_data_without_a_tokenizer(tmp_path, capsys, glue):
 # -- the other entry points ---------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_ray_job_entry_reports_the_same_line(tmp_path, capsys, monkeypatch):
     spec = importlib.util.spec_from_file_location("jobs_train", REPO / "jobs" / "train.py")
     entry = importlib.util.module_from_spec(spec)
@@ -270,6 +281,7 @@ def test_ray_job_entry_reports_the_same_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.proc
 def test_console_script_prints_no_traceback(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)

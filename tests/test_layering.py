@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
 
 PKG = Path(__file__).resolve().parents[1] / "pt_ray"
 # Folders by layer: a module's folder says what it may import.
@@ -42,6 +41,7 @@ def offending(names: set[str], banned: tuple[str, ...]) -> set[str]:
     return {n for n in names if any(n == b or n.startswith(b + ".") for b in banned)}
 
 
+@pytest.mark.unit
 def test_package_root_holds_only_the_api_and_the_layer_folders():
     modules = {p.name for p in PKG.glob("*.py")}
     folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
@@ -49,6 +49,7 @@ def test_package_root_holds_only_the_api_and_the_layer_folders():
     assert folders == set(PURE + TORCH_ONLY + SERVICE + ENTRY)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("folder", PURE)
 def test_pure_core_has_no_torch_or_ray(folder):
     for path in modules_in(folder):
@@ -57,12 +58,14 @@ def test_pure_core_has_no_torch_or_ray(folder):
                                                       "pt_ray.data", "pt_ray.cli")), path
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("folder", TORCH_ONLY)
 def test_torch_runtime_has_no_ray(folder):
     for path in modules_in(folder):
         assert not offending(imported_modules(path), ("ray", "pt_ray.service", "pt_ray.cli")), path
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("folder", ENTRY)
 def test_command_line_loads_torch_and_ray_only_when_a_command_needs_them(folder):
     for path in modules_in(folder):
@@ -71,12 +74,14 @@ def test_command_line_loads_torch_and_ray_only_when_a_command_needs_them(folder)
                                          "pt_ray.models", "pt_ray.data")), path
 
 
+@pytest.mark.unit
 def test_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch.distributed as dist\nfrom ray import train\n")
     assert offending(imported_modules(bad), ("ray", "torch")) == {"torch.distributed", "ray"}
 
 
+@pytest.mark.unit
 def test_checker_tells_import_time_from_call_time(tmp_path):
     lazy = tmp_path / "lazy.py"
     lazy.write_text("import argparse\n\ndef run():\n    import ray\n")
@@ -107,6 +112,7 @@ def communication_calls(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.unit
 def test_only_the_comm_module_communicates():
     files = [p for folder in ("runtime", "service") for p in sorted((PKG / folder).rglob("*.py"))
              if p.name != "comm.py"]
@@ -115,6 +121,7 @@ def test_only_the_comm_module_communicates():
     assert communication_calls(PKG / "runtime" / "comm.py")
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize(("module", "banned", "loaded"), [
     # The controller actor starts beside the training workers at every run's start, on the
     # same CPUs: torch there would add a second or two of CPU to the start-up.

@@ -93,8 +93,8 @@ def test_paper_planner_estimate_for_a_literal_plan():
 
 @pytest.mark.unit
 def test_cost_planner_estimate_for_a_literal_plan():
-    planner = CostModelPlanner(2, literal_costs(), load_hardware("local-cpu"), batch_size=8, schedule="gpipe",
-                               initial_pipeline_length=2, num_microbatches=2,
+    planner = CostModelPlanner(2, literal_costs(), load_hardware("local-cpu"), batch_size=8,
+                               schedule="gpipe", initial_pipeline_length=2, num_microbatches=2,
                                activation_memory_factor=5.0)
     plan = planner.initial_plan()
     assert (plan.boundaries, plan.num_microbatches) == ((0, 2, 4), 2)

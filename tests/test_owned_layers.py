@@ -74,7 +74,7 @@ def test_four_ranks_hold_only_their_stage_through_k_4_2_1_and_match_the_referenc
         (0, 4, 1), (2, 2, 2), (3, 1, 4)]
     sizes = results[0][3]
     whole = sum(sizes.values())
-    for rank, (_, records, seen, _) in enumerate(results):
+    for rank, (_, _, seen, _) in enumerate(results):
         for epoch, s in enumerate(seen):
             plan, stage = s["plan"], s["stage"]
             layers = plan.stage_layers(stage)
@@ -153,7 +153,7 @@ def test_restore_reads_only_the_shards_of_its_own_layers(tmp_path):
     # Four shards (K 4 wrote one per stage); on two workers each rank needs only some of them.
     small = config(VIT, "1f1b", 2)
     results = run_ranks(resume_from_own_shards, 2, small, str(ckpt))
-    for states, timeline, opened, kept, held, mine in results:
+    for _, _, opened, kept, held, mine in results:
         assert opened == kept and len(kept) < 4
         assert held == mine
     assert_same_parameters([r[:2] for r in results], cfg)

@@ -42,13 +42,18 @@ def tiny_config(tmp_path, **extra):
     })
 
 
-@pytest.fixture(scope="module")
-def reference_params(tmp_path_factory):
+def reference_layers(tmp_path_factory) -> dict:
+    """Every layer's state after the reference trainer's run of :func:`tiny_config`."""
     cfg = tiny_config(tmp_path_factory.mktemp("ref"), engine="reference")
     trainer = ReferenceTrainer(cfg)
     trainer.fit()
     return {name: {k: v.clone() for k, v in m.state_dict().items()}
             for name, m in iter_layers(trainer.adapter)}
+
+
+@pytest.fixture(scope="module")
+def reference_params(tmp_path_factory):
+    return reference_layers(tmp_path_factory)
 
 
 def max_difference(checkpoint, reference):
@@ -69,7 +74,9 @@ def test_two_workers_on_ray_train_match_reference_and_replan(ray_cluster, tmp_pa
     # under load a noisy embedding or head time moves the first stage boundary.
     assert layout[0] == (0, 2, 1) and layout[2] == (3, 1, 2)
     assert layout[1] in ((2, 2, 1), (2, 1, 2))
-    assert all(r.transition_time_s < 2.0 for r in result.timeline)
+    # Each later epoch entered its new layout live, inside the one worker group (no restart);
+    # epoch 0's plan was entered at start-up.
+    assert [r.transition_time_s > 0 for r in result.timeline] == [False, True, True]
     assert result.checkpoint is not None and result.restarts == 0
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
     summary = (result.run_dir / "summary.json").read_text()

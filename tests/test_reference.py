@@ -336,7 +336,8 @@ def test_accumulation_in_four_chunks_equals_the_whole_batch_across_a_freeze():
         trainer = ReferenceTrainer(cfg)
         sizes: list[int] = []
         trainer.adapter.head.register_forward_hook(
-            lambda module, args, out: sizes.append(out.shape[0]) if module.training else None)
+            lambda module, args, out, sizes=sizes:
+                sizes.append(out.shape[0]) if module.training else None)
         timeline = trainer.fit()
         runs[steps] = (trainer, timeline, sizes)
     (one, one_timeline, one_sizes), (four, four_timeline, four_sizes) = runs[1], runs[4]
@@ -447,12 +448,24 @@ def test_tiny_bert_trains_with_finite_decreasing_loss():
 # -- evaluation cadence -------------------------------------------------------------------------
 
 
-def test_eval_every_scores_every_kth_epoch_and_the_last():
+def test_eval_every_scores_every_kth_epoch_and_the_last(monkeypatch):
+    import pt_ray.runtime.reference as reference
+
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "evaluate", counted)
     every = ReferenceTrainer(vit_config(eval_every=3, epochs=4)).fit()
+    evaluations = len(calls)
     always = ReferenceTrainer(vit_config(epochs=4)).fit()
     scored = [not math.isnan(r.eval_metric) for r in every]
     assert scored == [False, False, True, True]
+    # An epoch that is not scored does not evaluate at all (not just report NaN): two passes
+    # over the eval set for the scored epochs 2 and 3, against four when every epoch scores.
+    assert (evaluations, len(calls) - evaluations) == (2, 4)
     # Skipping an evaluation changes nothing else: the scored epochs and losses agree.
     assert [r.eval_metric for r in every][2:] == [r.eval_metric for r in always][2:]
     assert [r.train_loss for r in every] == [r.train_loss for r in always]
-    assert all(r.eval_time_s < 0.05 for r, s in zip(every, scored) if not s)

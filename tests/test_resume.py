@@ -119,7 +119,6 @@ def _checkpoint(folder: Path, epoch: int, shards: int = 2) -> Path:
     return folder
 
 
-@pytest.mark.unit
 def _same(a, b) -> bool:
     """Equal structure, types, and tensors equal in dtype, shape and every bit."""
     if isinstance(a, torch.Tensor):
@@ -133,6 +132,7 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_shards_come_back_bit_for_bit_and_earlier_formats_still_load(tmp_path):
     layers = {
@@ -187,6 +187,7 @@ def _packed_as_before(path: Path) -> dict:
             "buffer": torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8)}
 
 
+@pytest.mark.unit
 def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, caplog):
     older = _checkpoint(tmp_path / "a" / "checkpoint_2026-11-30_10-00-00.000000", 0)
     assert damage(older) is None

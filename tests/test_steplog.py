@@ -15,7 +15,6 @@ from pt_ray.core.config import build_config
 from pt_ray.reporting.steplog import STEP_TAGS, StepRecord, StepReporter, StepWindow, StepWriter
 from test_report import read_scalars
 
-pytestmark = pytest.mark.unit
 
 
 def tiny_config(tmp_path, engine="reference", **logging_fields):
@@ -41,6 +40,7 @@ def record(global_step, epoch_step, epoch_steps=100, window_steps=5, step_s=0.1,
                       window_s=window_steps * step_s, window_steps=window_steps)
 
 
+@pytest.mark.unit
 def test_window_reports_every_n_steps_with_their_throughput():
     w = StepWindow(3)
     assert [s for s in range(1, 10) if w.due(s)] == [3, 6, 9]
@@ -53,6 +53,7 @@ def test_window_reports_every_n_steps_with_their_throughput():
         StepWindow(0)
 
 
+@pytest.mark.unit
 def test_ray_train_gets_a_report_only_when_its_last_one_has_been_collected():
     """Every 5 steps of 0.1 s, gap 1 s: every other record, none within 1 s of either end of
     an epoch (its own report), the same calls for the next epoch."""
@@ -78,6 +79,7 @@ def test_ray_train_gets_a_report_only_when_its_last_one_has_been_collected():
     assert len(every) == reporter.reported == 4
 
 
+@pytest.mark.unit
 def test_a_failing_writer_is_dropped_and_reports_go_on(tmp_path, caplog):
     blocked = tmp_path / "file"
     blocked.write_text("a file where the folder should be")
@@ -90,6 +92,7 @@ def test_a_failing_writer_is_dropped_and_reports_go_on(tmp_path, caplog):
     assert caplog.text.count("step scalars not written") == 1
 
 
+@pytest.mark.unit
 def test_reference_steps_report_the_epoch_figures_step_by_step(tmp_path):
     """every_steps=1: each epoch's loss is the mean of its steps' reported losses, and the
     learning rate follows the schedule; every_steps=2 reports the same figures at 2, 4, ...;
@@ -123,6 +126,7 @@ def test_reference_steps_report_the_epoch_figures_step_by_step(tmp_path):
     assert none == []
 
 
+@pytest.mark.unit
 def test_reference_run_writes_live_step_scalars_beside_the_timeline(tmp_path):
     """fit(engine=reference, tensorboard): one event file per writer in one folder; reading
     it back gives the step scalars at steps 3, 6, ... and the per-epoch ones."""
@@ -140,6 +144,7 @@ def test_reference_run_writes_live_step_scalars_beside_the_timeline(tmp_path):
     assert [s for s, _ in scalars["train/loss"]] == [1, 2]
 
 
+@pytest.mark.unit
 def test_live_scalars_are_on_disk_before_the_run_ends(tmp_path):
     writer = StepWriter(tmp_path / "tb")
     writer.write(record(5, 5))

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-pytestmark = pytest.mark.unit
 
 
+@pytest.mark.unit
 def test_ray_train_report_lines_are_silenced_by_their_file_named_logger(caplog):
     from ray.train.v2._internal.execution import context
 
@@ -56,6 +56,7 @@ def step_config(tmp_path, **extra):
     })
 
 
+@pytest.mark.unit
 def test_worker_step_reports_reach_ray_train_on_every_rank_and_tensorboard_from_rank_0(
         tmp_path, monkeypatch):
     from pt_ray.service.worker import _step_reporter

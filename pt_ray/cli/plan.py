@@ -190,7 +190,8 @@ def _table(result: SimulationResult, shape, hw) -> str:
     b0 = result.baseline.epochs[0]
     lines += [
         "",
-        f"predicted total {_hms(result.run.total_time_s)}; baseline {_hms(result.baseline.total_time_s)} "
+        f"predicted total {_hms(result.run.total_time_s)}; "
+        f"baseline {_hms(result.baseline.total_time_s)} "
         f"(K={b0.pipeline_length}, R={b0.num_replicas}, M={b0.num_microbatches}, no freezing, "
         f"{b0.throughput:,.0f} samples/s); speedup {result.speedup:.2f}x",
     ]

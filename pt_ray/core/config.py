@@ -640,7 +640,8 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 def _format_errors(err: ValidationError, data: Mapping[str, Any]) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "int", "lax")))
+        loc = ".".join(str(p) for p in e["loc"]
+                       if not str(p).startswith(("function-", "int", "lax")))
         # Literal/union errors carry the allowed values in their message already.
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "value_error" or not loc:

@@ -53,7 +53,8 @@ def partition(
     first_extra: float = 0.0,
     last_extra: float = 0.0,
 ) -> Partition:
-    """Split ``weights`` into ``num_stages`` contiguous non-empty stages minimising the largest load.
+    """Split ``weights`` into ``num_stages`` contiguous non-empty stages minimising the largest
+    load.
 
     Args:
         weights: per-block load (seconds, or any additive unit), in block order; all >= 0.

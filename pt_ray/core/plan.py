@@ -160,7 +160,8 @@ class Plan:
         if len(b) != k + 1 or b[0] != self.num_frozen or b[-1] != self.num_layers:
             raise ValueError(f"boundaries {b} do not describe {k} stages over blocks "
                              f"[{self.num_frozen}, {self.num_layers})")
-        if any(lo > hi for lo, hi in zip(b, b[1:])) or (k > 1 and any(lo == hi for lo, hi in zip(b, b[1:]))):
+        pairs = list(zip(b, b[1:]))
+        if any(lo > hi for lo, hi in pairs) or (k > 1 and any(lo == hi for lo, hi in pairs)):
             raise ValueError(f"boundaries {b} must increase, with every stage holding a block")
 
     @property
@@ -194,7 +195,8 @@ class Plan:
     def describe(self) -> str:
         """One line: ``g2: frozen 4/12, K 2 [4-7|8-11], R 2, M 8, 1f1b, cache off``."""
         stages = "|".join(
-            f"{lo}-{hi - 1}" if hi > lo else "-" for lo, hi in zip(self.boundaries, self.boundaries[1:])
+            f"{lo}-{hi - 1}" if hi > lo else "-"
+            for lo, hi in zip(self.boundaries, self.boundaries[1:])
         )
         return (
             f"g{self.generation}: frozen {self.num_frozen}/{self.num_layers}, "

@@ -370,7 +370,8 @@ def _stage_work(plan: Plan, costs: CostTable, scale: float, overhead: float
             f, b = f + costs.embed.forward_s, b + costs.embed.backward_s
             p += costs.embed.param_bytes
         if s == k - 1:
-            f, b, p = f + costs.head.forward_s, b + costs.head.backward_s, p + costs.head.param_bytes
+            head = costs.head
+            f, b, p = f + head.forward_s, b + head.backward_s, p + head.param_bytes
         fwd.append(f * scale + overhead)
         bwd.append(b * scale + overhead if b > 0 else 0.0)
         grads.append(p)

@@ -153,7 +153,8 @@ class CostModelPlanner:
         self._predictions: dict[Plan, StepBreakdown] = {}
         self.memory_model = MemoryModel(optimizer_state_factor=optimizer_state_factor,
                                         activation_factor=activation_memory_factor)
-        self.memory_budget = memory_budget if memory_budget is not None else 0.9 * hw.device_memory_bytes
+        self.memory_budget = (memory_budget if memory_budget is not None
+                              else 0.9 * hw.device_memory_bytes)
         if initial_pipeline_length is None:
             self.initial_pipeline_length = self._choose(0, num_workers).pipeline_length
         else:
@@ -360,7 +361,8 @@ class CostModelPlanner:
         """The plan after the frozen prefix grows to ``num_frozen`` (``prev`` itself when
         nothing changes)."""
         if num_frozen < prev.num_frozen:
-            raise ValueError(f"num_frozen may only grow: {prev.num_frozen} -> {num_frozen} requested")
+            raise ValueError(
+                f"num_frozen may only grow: {prev.num_frozen} -> {num_frozen} requested")
         if num_frozen == prev.num_frozen:
             return prev
         return replace(self._choose(num_frozen, prev.pipeline_length),

@@ -163,8 +163,8 @@ def profile_for_gpu(name: str, memory_bytes: int, count_on_node: int,
     1. Known parts (H200, H100, A100, L40S, L4; matched in ``name``, case-insensitive) get
        their spec-sheet peaks: ``device_flops`` is the dense bf16 tensor-core peak (989e12 for
        H100/H200 SXM, 312e12 for A100), or the plain fp32 peak when ``precision="fp32"``.
-       (An H100 NVL takes the SXM figures.) Any other name gets a conservative default: 50e12 (16-bit) or 8e12 (fp32) FLOP/s and
-       300 GB/s, about a T4 rounded down.
+       (An H100 NVL takes the SXM figures.) Any other name gets a conservative default: 50e12
+       (16-bit) or 8e12 (fp32) FLOP/s and 300 GB/s, about a T4 rounded down.
     2. Links: an H100/H200/A100 whose name says neither ``PCIe`` nor ``NVL`` is taken to be an
        SXM board on NVSwitch (NVLink 4: 450 GB/s, NVLink 3: 300 GB/s per direction); every
        other part, and unknown ones, talk over PCIe (50, 25 or 12 GB/s per direction for

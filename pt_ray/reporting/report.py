@@ -1,8 +1,8 @@
 """Run reports: a PNG timeline in the spirit of the paper's figures and a per-epoch table.
 
-Reads the ``summary.json`` contract of :mod:`pt_ray.reporting.summary` (or the dict it holds). No torch,
-no Ray: matplotlib with the Agg backend only, so reports render on a laptop, in CI, or in a
-notebook from a run folder copied off a cluster.
+Reads the ``summary.json`` contract of :mod:`pt_ray.reporting.summary` (or the dict it holds).
+No torch, no Ray: matplotlib with the Agg backend only, so reports render on a laptop, in CI, or
+in a notebook from a run folder copied off a cluster.
 
 The PNG has four panels over epochs, all sharing the x axis (epochs numbered from 1, as the
 per-epoch log lines are):
@@ -161,9 +161,9 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
     transition time (s), cache hit rate ("-" while the cache is off; it may hold rows and
     serve none in the epoch it fills), training loss, the eval metric, and the layout change
     entering the epoch. The footer gives the training time (sum of epochs), the wall time
-    (start-up included) and the ideal bound of :func:`pt_ray.reporting.summary.ideal_speedup`; with a
-    ``baseline`` run (e.g. ``freeze.policy=none`` on the same data), also the measured speedup
-    of training time and its fraction of the bound.
+    (start-up included) and the ideal bound of :func:`pt_ray.reporting.summary.ideal_speedup`;
+    with a ``baseline`` run (e.g. ``freeze.policy=none`` on the same data), also the measured
+    speedup of training time and its fraction of the bound.
 
     Raises:
         FileNotFoundError, ValueError: see :func:`load_summary`.

@@ -346,7 +346,8 @@ class ElasticWorker:
         """
         plan, topo, cfg = self.plan, self.topo, self.cfg
         r = plan.num_replicas
-        scale = r if cfg.batch_policy == "per_replica" and cfg.optimizer.scale_lr_with_replicas else 1
+        per_replica = cfg.batch_policy == "per_replica"
+        scale = r if per_replica and cfg.optimizer.scale_lr_with_replicas else 1
         progress = self.samples_seen / self.total_samples
         self.lr = cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer)
         set_lr(self.optimizer, self.lr)
@@ -425,7 +426,7 @@ class ElasticWorker:
             losses: list[torch.Tensor] = []
             self.schedule.step(target=batch.target, losses=losses)
             # Each micro-batch's loss comes divided by M (build_schedule): their sum is the mean.
-            return torch.stack([l.detach() for l in losses]).sum() / scale
+            return torch.stack([loss.detach() for loss in losses]).sum() / scale
         self.schedule.step()
         return 0.0
 

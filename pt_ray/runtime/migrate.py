@@ -47,7 +47,8 @@ def _send_state(comm: Comm, states: list[dict], dst: int) -> None:
         unknown = [k for k in present if k not in STATE_KEYS]
         if unknown:
             raise ValueError(
-                f"optimizer state keys {unknown} cannot migrate; known keys: {', '.join(STATE_KEYS)}"
+                f"optimizer state keys {unknown} cannot migrate; "
+                f"known keys: {', '.join(STATE_KEYS)}"
             )
         codes += [len(present), *(STATE_KEYS.index(k) for k in present)]
         values += [torch.as_tensor(state[k]) for k in present]
