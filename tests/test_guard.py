@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pt_ray.core.config import ConfigError, load_config
-from pt_ray.core.control import build_control_state
+from pt_ray.core.control import build_control_state, decision_interval, decisions_per_epoch
 from pt_ray.core.freeze import FreezeDecision
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime import reference
@@ -139,3 +139,24 @@ def test_rollback_config_rules_name_the_fix():
     assert load_config(None, ["freeze.rollback=true", "freeze.interval=steps"]).freeze.rollback
     with pytest.raises(ConfigError, match="set freeze.guard_points"):
         load_config(None, ["freeze.rollback=true", "freeze.guard_points=null"])
+
+
+@pytest.mark.parametrize(("overrides", "interval", "per_epoch"), [
+    # auto: a short run (under 8 epochs) gets ceil(16 / epochs) decisions an epoch.
+    (["epochs=3"], 19, 6),       # 113 steps: ceil(113 / 6)
+    (["epochs=5"], 29, 4),
+    (["epochs=7"], 38, 3),
+    # auto: 8 epochs or more decide per epoch; so do the per-epoch rules and interval=epoch.
+    (["epochs=8"], None, 1),
+    (["epochs=20"], None, 1),
+    (["epochs=3", "freeze.policy=paper"], None, 1),
+    (["epochs=3", "freeze.policy=none"], None, 1),
+    (["epochs=3", "freeze.interval=epoch"], None, 1),
+    # steps: every interval_steps steps; one as long as the epoch is per epoch.
+    (["freeze.interval=steps", "freeze.interval_steps=40"], 40, 3),
+    (["freeze.interval=steps", "freeze.interval_steps=113"], None, 1),
+])
+def test_decision_interval(overrides, interval, per_epoch):
+    cfg = load_config(None, overrides)
+    assert decision_interval(cfg, 113) == interval
+    assert decisions_per_epoch(cfg, 113) == per_epoch

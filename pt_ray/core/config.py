@@ -209,7 +209,7 @@ class FreezeConfig(_Section):
     freeze) and train on from there with those blocks active."""
     interval: Literal["auto", "epoch", "steps"] = "auto"
     """When decisions are taken: one opens every epoch, and with ``steps`` one more every
-    ``interval_steps`` optimizer steps inside it; ``auto``: per epoch in runs of 16 epochs or
+    ``interval_steps`` optimizer steps inside it; ``auto``: per epoch in runs of 8 epochs or
     more, else each epoch cut into ``ceil(16 / epochs)`` equal intervals (a short fine-tuning
     run still gets 16 decisions), and per epoch for ``paper``, ``schedule`` and ``none`` (rules
     written per epoch)."""
