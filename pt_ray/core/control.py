@@ -362,9 +362,9 @@ def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
     ``ceil(AUTO_DECISIONS / epochs)`` intervals, so that a fine-tuning run of a few epochs still
     gets :data:`AUTO_DECISIONS` decisions. (A policy's windows count decisions: deciding twice
     an epoch in a 14-epoch from-scratch run halves the time a block must stay converged, and
-    the ViT-Tiny shape then froze from epoch 10 and lost 3 points on seed 0.) ``paper`` and ``schedule`` reproduce rules written per
-    epoch, and ``none`` decides nothing: ``auto`` is per epoch for them. An interval as long as
-    the epoch is per epoch.
+    the ViT-Tiny shape then froze from epoch 10 and lost 3 points on seed 0.) ``paper`` and
+    ``schedule`` reproduce rules written per epoch, and ``none`` decides nothing: ``auto`` is
+    per epoch for them. An interval as long as the epoch is per epoch.
     """
     f = cfg.freeze
     if f.interval == "epoch" or (f.interval == "auto" and f.policy in PER_EPOCH_POLICIES):
