@@ -148,8 +148,7 @@ def _controller_after_epoch_0(tmp_path, name: str):
     handle.setup(4, 1, 8, "accuracy", "local-cpu")
     handle.submit_costs(0, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
     handle.plan_for(0)
-    handle.record(0, _record(0))
-    handle.submit_norms(0, 0, {b: 1.0 for b in range(4)})
+    handle.submit_norms(0, 0, {b: 1.0 for b in range(4)}, _record(0))
     handle.plan_for(1)
     write_meta(tmp_path / "ray" / "checkpoint_2026-12-01_00-00-00.000000",
                {"epoch": 0, "next_decision": 1, "num_shards": 0,
@@ -187,8 +186,7 @@ def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_check
 
     actor, handle = _controller_after_epoch_0(tmp_path, "restart")
     _kill_and_wait_until_empty(actor)
-    handle.record(0, _record(1))
-    handle.submit_norms(1, 0, {b: 0.5 for b in range(4)})
+    handle.submit_norms(1, 0, {b: 0.5 for b in range(4)}, _record(1))
     assert handle.plan_for(2) is not None
     timeline = ray.get(actor.timeline.remote())
     assert [r.epoch for r in timeline] == [0, 1]
@@ -209,8 +207,7 @@ def test_a_checkpoints_controller_state_asked_ahead_survives_a_lost_controller(
     actor, handle = _controller_after_epoch_0(tmp_path, "ahead")
     handle.send_checkpoint_state(1)
     assert handle.checkpoint_state(1) == handle.state_dict()
-    handle.record(0, _record(1))
-    handle.submit_norms(1, 0, {b: 0.5 for b in range(4)})
+    handle.submit_norms(1, 0, {b: 0.5 for b in range(4)}, _record(1))
     _kill_and_wait_until_empty(actor)
     handle.send_checkpoint_state(2)
     state = handle.checkpoint_state(2)
