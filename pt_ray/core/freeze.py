@@ -253,13 +253,17 @@ class ConvergedFreeze(_Base):
                 return False
         return True
 
-    def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
-        bound = min(
-            self.num_layers, num_frozen + _ceil(self.alpha * (self.num_layers - num_frozen))
-        )
+    def _observe(self, num_frozen: int, grad_norms: Mapping[int, float] | None) -> int:
+        """Record the active blocks' norms; returns this decision's alpha bound."""
         for layer, norm in sorted((grad_norms or {}).items()):
             if layer >= num_frozen and math.isfinite(norm):
                 self.history.setdefault(layer, []).append(float(norm))
+        return min(
+            self.num_layers, num_frozen + _ceil(self.alpha * (self.num_layers - num_frozen))
+        )
+
+    def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
+        bound = self._observe(num_frozen, grad_norms)
         if decision < self.warmup:
             return FreezeDecision(num_frozen, bound, f"warm-up (decision {decision})")
         passed = num_frozen
@@ -345,12 +349,7 @@ class SettledFreeze(ConvergedFreeze):
         loss = (grad_norms or {}).get(LOSS_KEY)
         if loss is not None and math.isfinite(loss):
             self.losses.append(float(loss))
-        bound = min(
-            self.num_layers, num_frozen + _ceil(self.alpha * (self.num_layers - num_frozen))
-        )
-        for layer, norm in sorted((grad_norms or {}).items()):
-            if layer >= num_frozen and math.isfinite(norm):
-                self.history.setdefault(layer, []).append(float(norm))
+        bound = self._observe(num_frozen, grad_norms)
         if decision < self.warmup:
             return FreezeDecision(num_frozen, bound, f"warm-up (decision {decision})")
         flat = self.plateaued()
