@@ -244,6 +244,9 @@ def test_a_lost_node_turns_its_rows_into_misses_or_reads_of_a_surviving_copy(
     # The replica on the node to be lost computes every row; node b's owner copies the even
     # blocks (as b's worker would at an epoch's end), node a's holds nothing.
     rx, ra = on(x).remote(names, blocks), on(a).remote(names, blocks)
+    # Node a's replica must have built its store (found x's owner alive) before x goes: actor
+    # creation is asynchronous and, on a loaded host, can outlast the rest of the setup.
+    ray.get([rx.__ray_ready__.remote(), ra.__ray_ready__.remote()])
     order = GlobalSampler(blocks.num_samples, 32, 0).epoch_order(0)
     steps = [order[s:s + 32] for s in range(0, len(order), 32)]
     assert ray.get(rx.epoch.remote(steps, 1))["misses"] == 256
