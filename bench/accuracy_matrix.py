@@ -29,15 +29,12 @@ policy are the default job's as shipped. Workloads:
                   optimizer.lr=1e-3`` is its from-scratch twin
 
 The fine-tuning workloads take the shape from their checkpoints (``model.weights`` over the
-default job's ViT fields: ``pt_ray.core.config.layer_config``). One ``none`` cell took 30, 28,
-74, 32 and 86 s of CPU (default to minilm) on the 2-core development machine at one thread, so
-those five workloads' 45 cells are about half an hour at ``--jobs 2`` on an idle machine; cells
-that freeze take less. ``digits-ft`` adds 46 s of CPU once for its pre-training and 5-10 s a
-cell. ``vit-tiny``
-(220-245 s of CPU a ``none`` cell) and ``topics`` (153 s of CPU for one epoch of a ``none``
-cell, about 450 s for its 3) each cost as much as the rest and run only when named. Each cell
-records its wall and CPU seconds: on a shared machine only the CPU time says how big the cell
-is.
+default job's ViT fields: ``pt_ray.core.config.layer_config``). Cells that freeze take less
+than their ``none`` twins. ``digits-ft`` pre-trains its upstream model once per ``--out``
+folder. ``vit-tiny`` and ``topics`` each cost about as much as all the other workloads
+together, so they run only when named. Each cell records its wall and CPU seconds: on a shared
+machine only the CPU time says how big the cell is (``bench/README.md`` has the cost of a
+whole matrix on the machine it was measured on).
 
 Cells run in ``--jobs`` spawned processes at one torch thread each. Each finished cell prints a
 line and rewrites ``<out>/accuracy_matrix.json``, so a killed run keeps what finished; the end

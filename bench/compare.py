@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, metavar="EPOCHS",
                         help="before the measured runs, run every arm once for this many "
                              "epochs, unmeasured (0: none), so that the cluster's first worker "
-                             "processes and the driver's first imports (timm's, about 1-2 s) "
+                             "processes and the driver's first imports (timm's) "
                              "fall on no arm's figures; their start-up parts are printed and "
                              "saved as cold_start (the first arm's is the cluster's first run; "
                              "default: 1)")

@@ -2,9 +2,9 @@
 
 ``compare.py`` measures the engine tax (its ``dp`` arm against the peer) across whole Ray
 Train runs, where worker start-up, reports and whatever else runs on the host move a single
-ratio by 10-30% on this 2-core machine. This script takes Ray out and interleaves the two
-loops in the same processes, epoch by epoch, so that both see the same machine at the same
-moment:
+ratio by more than the tax itself on a small shared machine. This script takes Ray out and
+interleaves the two loops in the same processes, epoch by epoch, so that both see the same
+machine at the same moment:
 
 - N forked gloo processes (one thread each, ``file://`` rendezvous) build the job's dataset
   and two copies of its model from the seed;

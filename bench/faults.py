@@ -26,8 +26,8 @@ previous checkpoint): test scaffolding, shown apart from the extra wall time. Th
 restarted run went on after comes from rank 0's "resumed after epoch N" line in the Ray
 session's worker logs (the driver row: from the checkpoint ``fit(resume_from=...)`` took).
 
-Writes ``<out>/faults.json`` and ``<out>/faults.md`` and prints the table. Usage (about 6
-minutes on 2 cores):
+Writes ``<out>/faults.json`` and ``<out>/faults.md`` and prints the table. Usage (every row is
+a whole Ray run, so minutes; ``bench/README.md`` has the latest figures):
 
     RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \\
       .venv/bin/python bench/faults.py --out bench/out/faults [--rows none,step,...] \\

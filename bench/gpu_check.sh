@@ -13,7 +13,7 @@
 #
 # It needs python3 with torch (CUDA), timm, transformers, scikit-learn, pyyaml, pytest and
 # pydantic 2; not Ray. It prints one table last and writes DIR/gpu_check.json (with the
-# tests' log and the speed table's JSON beside it). About 3 minutes on an H200.
+# tests' log and the speed table's JSON beside it). Minutes on one modern GPU.
 # --dry-run runs the same steps on the CPU with gloo and a tiny model (tests/test_gpu_check.py runs
 # it, so the check cannot rot on machines without a GPU).
 set -uo pipefail

@@ -87,8 +87,8 @@ TARGET_SPEEDUP = 0.15
 RAY_DEFAULT_POLL_S = 2.0
 """Ray Train's default ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``."""
 DEFAULT_REPORT_S = 0.05
-"""Per-epoch report cost used when the JSON has no per-epoch gaps (older compare.py): the first
-gaps of the runs that have them measured 0.03-0.06 s."""
+"""Per-epoch report cost used when the JSON has no per-epoch gaps (older compare.py): of the
+order of the first gaps in the JSONs that record them."""
 HARDWARE = "local-cpu"
 
 

@@ -130,7 +130,8 @@ def test_only_the_comm_module_communicates():
     # seconds of CPU to import: only model.family=hf loads it. Nor torch's pipelining: only a
     # plan with K > 1 loads it. torch._dynamo, which every run loads (timm's torchvision
     # imports it, and so does transformers), comes with the module, while Ray Train still sets
-    # the worker up, not inside the training function (bench/README.md: about 3 s of start-up).
+    # the worker up, not inside the training function, where it would compete for the CPU with
+    # Ray Train's helper actors and lengthen start-up.
     ("pt_ray.service.worker", ("transformers", "torch.distributed.pipelining"),
      ("torch._dynamo",)),
 ])

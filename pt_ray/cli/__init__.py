@@ -14,7 +14,7 @@ __all__ = ["console", "exit_quickly", "main"]
 def exit_quickly(code: int) -> NoReturn:
     """End the process with ``code`` once a command is done, skipping the garbage collections
     Python runs over every object still alive as it shuts down (torch's, timm's and Ray's
-    modules: 2-3 s on the 2-core testbed after a run, ``bench/README.md``). What is alive goes
+    modules: seconds of CPU after a run, for nothing). What is alive goes
     to the permanent generation (``gc.freeze``), which those collections do not traverse;
     ``atexit`` handlers and the streams' flushes run as usual. Only for a process that ends
     here: in one that goes on, frozen objects would never be collected."""

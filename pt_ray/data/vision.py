@@ -148,8 +148,9 @@ class ImageFileDataset(_TransformedImages):
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits as ``([1797, 8, 8] float, [1797] int)``.
 
-    Reads the CSV scikit-learn bundles without importing scikit-learn (whose import costs
-    ~2 s per process); falls back to ``sklearn.datasets.load_digits`` if the file moved.
+    Reads the CSV scikit-learn bundles without importing scikit-learn (a heavy import that
+    every worker process would pay for one small file); falls back to
+    ``sklearn.datasets.load_digits`` if the file moved.
     """
     spec = importlib.util.find_spec("sklearn")
     roots = list(spec.submodule_search_locations or []) if spec is not None else []

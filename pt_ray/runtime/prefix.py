@@ -409,8 +409,9 @@ def gather_rows_on_device(
 
     1. Each segment that serves at least :data:`_COPY_WHOLE_FROM` of its rows is copied whole
        (one host-to-device transfer per segment and state tensor; a segment is one block of a
-       few dozen samples) and its rows are picked there: a host-side gather of ViT-B/16 rows
-       ran at under 2 GB/s on an H200, slower than recomputing the frozen blocks it replaced.
+       few dozen samples) and its rows are picked there: a gather on the host is bound by host
+       memory bandwidth, far below a GPU's, and can cost more than recomputing the frozen
+       blocks it replaces.
     2. The rows of the other segments are picked on the host into one array, copied at once.
     """
     whole = copied_whole(segments, seg)

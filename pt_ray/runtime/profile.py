@@ -1,18 +1,17 @@
 """Per-layer cost profiler: forward and backward time, activation and parameter bytes.
 
 AutoPipe balances stages on measured costs (the 2021 code used parameter counts). Each layer is
-timed on its own, on the current device, with the real input it sees in the model: the embedding
-on the batch, block ``i`` on block ``i-1``'s output, the head (with the loss) on the last block's
+timed on its own, on the current device, with the real input it sees in the model: the embedding on
+the batch, block ``i`` on block ``i-1``'s output, the head (with the loss) on the last block's
 output. Backward is timed as one ``autograd.grad`` call for the layer's input and parameter
 gradients. The median of a few repetitions after a warm-up is kept. Blocks of the same structure
 (class and parameter shapes, on an input of the same size: every block of a ViT or a BERT) do the
-same work, so only the first of a group is measured and the others take its figures: noise on
-one block cannot move a stage boundary, and L identical blocks cost 5 passes (a warm-up, 3
-timed, one counting bytes) with the default 3 repetitions, not L + 4, so profiling stays a small
-share of a run's start-up (0.20 -> 0.06 s on the 12-block ViT-Tiny shape, 16 samples, one CPU
-thread; ``bench/README.md``). A block that changes its input's size is timed once more in every
-later position (the next block's input is its real output), and blocks of a group measured more
-than once share their median time. Each layer's forward is also run once under
+same work, so only the first of a group is measured and the others take its figures: noise on one
+block cannot move a stage boundary, and L identical blocks cost 5 passes (a warm-up, 3 timed, one
+counting bytes) with the default 3 repetitions, not L + 4, so profiling stays a small share of a
+run's start-up however deep the model is. A block that changes its input's size is timed once more
+in every later position (the next block's input is its real output), and blocks of a group measured
+more than once share their median time. Each layer's forward is also run once under
 :class:`pt_ray.runtime.memory.SavedActivations`, which counts the bytes autograd keeps for its
 backward (``LayerCost.saved_bytes``): the planner's memory estimate then uses the model's own
 figure, not a rule of thumb; blocks of one group keep the same bytes, so it is counted for the

@@ -167,7 +167,7 @@ def build_schedule(
     schedule infers nothing at run time.
     """
     # Imported here, not at the top: torch.distributed.pipelining pulls in torch._dynamo and
-    # DTensor (about 2 s of CPU per worker), which a run that never pipelines (K = 1) skips.
+    # DTensor, a heavy import that a run which never pipelines (K = 1) should not pay.
     from torch.distributed import pipelining
 
     m = plan.num_microbatches

@@ -1,7 +1,8 @@
 """The one owner of process groups: pipeline and data-parallel subgroups built from a Plan.
 
 Ray Train hands every worker the WORLD group. At each transition the same workers are regrouped
-in place (about 0.1 s on gloo, against seconds for a worker-group restart): one pipeline group
+in place (new subgroups of the live WORLD group, far cheaper than restarting the worker
+group, which would start every process and reload the model): one pipeline group
 per replica (its K stages) and one data-parallel group per stage index (its R copies). The whole
 set is destroyed and rebuilt at the next transition; no other module creates groups.
 """

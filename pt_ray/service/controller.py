@@ -122,7 +122,7 @@ class ControllerActor:
             raise RuntimeError("the controller was set up again since it restarted: "
                                "nothing to recover")
         # Imported here: the module brings torch, which the actor otherwise never needs, and
-        # importing it would cost every run's start-up a second or two of CPU.
+        # importing it would lengthen every run's start-up.
         from pt_ray.runtime.checkpoint import latest_checkpoint, read_meta
 
         folders = [p for p in self.checkpoints.glob("checkpoint_*") if p.is_dir()] \

@@ -111,8 +111,8 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
         }},
         # Ray prestarts one idle worker per CPU for a cluster's first driver, with an empty
         # runtime_env; every actor of a run here has one (this job's above, or Ray Train's
-        # own), so none could take them: they would only cost their start (1-2 s of CPU each
-        # on the 2-core testbed) while the run starts.
+        # own), so none could take them: starting them would only take CPU from the run's own
+        # processes while they start.
         _system_config={"prestart_worker_first_driver": False},
         **spill,
     )
@@ -231,8 +231,8 @@ def watches_preemption(view: ClusterView) -> bool:
     """Whether Ray Train's preemption watcher has anything to watch on a cluster pt-ray
     attached to: more than one node, or an autoscaler (which drains the nodes it removes).
     On one node without an autoscaler, as on an embedded cluster, no node is drained while the
-    run lives, and the watcher would cost a Ray worker process at every start (1.1-1.9 s of
-    CPU on the 2-core testbed, ``bench/README.md``). A cluster whose resources could not be
+    run lives, and the watcher would cost one more Ray worker process, started beside the
+    run's own at every start. A cluster whose resources could not be
     read (``nodes_total`` empty) keeps it."""
     return view.autoscaler or len(view.nodes_total) != 1
 

@@ -24,10 +24,10 @@ import ray.train
 import ray.train.torch
 import torch
 # Every worker loads torch._dynamo, with sympy and DTensor (timm's torchvision imports it, and so
-# does transformers): 1.5-2 s of CPU on the 2-core testbed. Imported here it loads while Ray Train
-# deserialises the training function, before the function starts in a thread of its own; inside
-# it, the import met Ray Train's start of its helper actors beside the function and took twice as
-# long (start-up 22.0 s instead of 25.4 s over 5 runs, the peer's 22.2 s; bench/README.md).
+# does transformers), a heavy import. Imported here it loads while Ray Train deserialises the
+# training function, before the function starts in a thread of its own; inside the function it
+# would compete for the CPU with Ray Train starting its helper actors beside it, which lengthens
+# every run's start-up.
 import torch._dynamo  # noqa: F401
 
 from pt_ray.reporting.logs import setup_logging
