@@ -1,6 +1,6 @@
 """bench/gpu_bundle.py: the folder that carries Ray to a GPU machine builds under its size limit,
 and the Ray it carries, unpacked by the bundle's own install script, starts a cluster and runs a
-task (so the pruning took nothing a run needs).
+task (so the pruning took nothing a run needs). It starts that Ray in a subprocess: the ray tier.
 
 Built for this machine's Python, so the carried Ray can be imported here; the GPU machine's
 bundle differs only in the wheels' tags."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.proc, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
