@@ -87,7 +87,7 @@ from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.norms import GradNormMeter, merge_block_norms, norm_row
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
 from pt_ray.runtime.sync import BlockIndex, all_reduce_grads, clip_grad_norm
-from pt_ray.runtime.topology import Topology
+from pt_ray.runtime.topology import Topology, TopologyCache
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
@@ -150,6 +150,7 @@ class ElasticWorker:
         # Every process group's bound on a collective or point-to-point wait (WORLD's is set
         # by whoever formed it: Ray Train's TorchConfig, from the same field).
         self.timeout = timedelta(seconds=cfg.pipeline.collective_timeout_s)
+        self.topologies = TopologyCache(self.timeout, warm_up=lambda g: self.comm.barrier(group=g))
         self.precision = resolve_precision(cfg.precision, self.device)
         self.scaler = LossScaler() if self.precision.scaled else None
         self._shapes: Shapes | None = None
@@ -234,14 +235,13 @@ class ElasticWorker:
                     materialise(self.modules[name], self.device)
             states = migrate(self.comm, self.modules, self.optimizer, self.plan, plan, self.rank,
                              midway=midway)
-            self._ddp = None  # it holds the data-parallel group destroyed next
-            self.topo.destroy()
+            self._ddp = None  # built again on the next plan's data-parallel group
         self._hold(plan, stage)
         for name in frozen_layer_names(plan.num_frozen):
             for p in self.modules[name].parameters():
                 p.requires_grad_(False)
                 p.grad = None
-        self.topo = Topology.build(plan, timeout=self.timeout)
+        self.topo = self.topologies.get(plan)
         stage = self.topo.stage
         cached = plan.cache and self.prefix is not None and stage == 0 and plan.num_frozen > 0
         self.stage = StageModule(self.adapter, plan, stage, state_inputs=cached,
@@ -504,7 +504,6 @@ class ElasticWorker:
         self.snapshots.clear()
         self.rolled_back = True
         self._ddp = None
-        self.topo.destroy()
         self.plan = None
         frozen = set(frozen_layer_names(plan.num_frozen))
         states: LayerStates = {}
@@ -854,9 +853,8 @@ class ElasticWorker:
     def close(self) -> None:
         """Destroy this rank's subgroups (the WORLD group stays with its owner)."""
         self._ddp = None
-        if self.topo is not None:
-            self.topo.destroy()
-            self.topo = None
+        self.topologies.close()
+        self.topo = None
 
 
 # Buffers are the same on every replica (built from one seed, never trained): DDP need not
