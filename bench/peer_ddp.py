@@ -29,7 +29,9 @@ What is measurement, not training: the epoch's training time is taken around the
 loop only; the ranks' times, losses and correct counts are combined with one ``all_reduce``
 after the loop; each report carries the epochs so far, so that the driver reads the whole
 timeline from the last one. Classification only (timm ViTs and Hugging Face classifiers; not
-question answering), on CPUs in fp32, with ``batch_policy=fixed_global``.
+question answering), with ``batch_policy=fixed_global``; on CPUs in fp32 (gloo), or with
+``pipeline.use_gpu`` on one GPU per worker (NCCL, ``prepare_model`` placing the model, batches
+copied from pinned memory) in fp32 or under bf16 autocast, as a user's loop would.
 """
 
 from __future__ import annotations
@@ -73,13 +75,20 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.batch_policy != "fixed_global":
         raise ValueError(f"batch_policy={cfg.batch_policy}: the peer arm keeps the global batch "
                          "fixed (data.batch_size / N per worker); use batch_policy=fixed_global")
-    # With use_gpu=auto on a host with a GPU, pt-ray would train on it and the peer would not.
+    gpu, dtype = peer_device(cfg)
+    if dtype is None:
+        raise ValueError(f"pipeline.use_gpu={cfg.pipeline.use_gpu}, precision={cfg.precision}: "
+                         "the peer arm trains in fp32, or in bf16 on GPUs; set precision=fp32 "
+                         "(or bf16 with pipeline.use_gpu=true), or run with --no-peer-arm")
+
+
+def peer_device(cfg: RunConfig) -> tuple[bool, torch.dtype | None]:
+    """Whether the peer trains on GPUs (as pt-ray would: ``use_gpu=auto`` takes a GPU where the
+    host has one), and its autocast dtype (``float32``: none; ``None``: not supported)."""
     gpu = cfg.pipeline.use_gpu is True or (cfg.pipeline.use_gpu == "auto"
                                            and torch.cuda.is_available())
-    if gpu or cfg.precision not in ("auto", "fp32"):
-        raise ValueError(f"pipeline.use_gpu={cfg.pipeline.use_gpu}, precision={cfg.precision}: "
-                         "the peer arm trains on CPUs in fp32; set pipeline.use_gpu=false and "
-                         "precision=fp32, or run with --no-peer-arm")
+    wanted = cfg.precision if cfg.precision != "auto" else ("bf16" if gpu else "fp32")
+    return gpu, {"fp32": torch.float32, "bf16": torch.bfloat16 if gpu else None}.get(wanted)
 
 
 class _Samples(Dataset):
@@ -148,28 +157,50 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": rest, "weight_decay": 0.0}]
 
 
+CPU = torch.device("cpu")
+
+
+def _on(inputs: tuple[torch.Tensor, ...], target: torch.Tensor, device: torch.device
+        ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    if device.type == "cpu":
+        return inputs, target
+    return (tuple(t.to(device, non_blocking=True) for t in inputs),
+            target.to(device, non_blocking=True))
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 @torch.no_grad()
-def _correct(model: torch.nn.Module, loader: DataLoader, names: tuple[str, ...]) -> int:
+def _correct(model: torch.nn.Module, loader: DataLoader, names: tuple[str, ...],
+             device: torch.device = CPU, dtype: torch.dtype = torch.float32
+             ) -> int:
     model.eval()
     correct = 0
     for inputs, target in loader:
-        correct += int((logits(model, inputs, names).argmax(dim=-1) == target).sum())
+        inputs, target = _on(inputs, target, device)
+        with _autocast(device, dtype):
+            correct += int((logits(model, inputs, names).argmax(dim=-1) == target).sum())
     model.train()
     return correct
 
 
 def train_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
                 opt_cfg, seen: int, total_samples: int, step_samples: int,
-                names: tuple[str, ...] = ()) -> tuple[torch.Tensor, int]:
+                names: tuple[str, ...] = (), device: torch.device = CPU,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
     """One epoch of the peer's training loop (also what ``engine_tax.py`` times): the learning
-    rate set from the samples seen, forward, backward (DDP reduces the gradients), clipping and
-    the step. ``names``: see :func:`input_names`. Returns this rank's summed loss and the
-    samples seen after the epoch."""
-    loss_sum = torch.zeros(())
+    rate set from the samples seen, forward (under autocast to ``dtype`` unless fp32), backward
+    (DDP reduces the gradients), clipping and the step. ``names``: see :func:`input_names`.
+    Returns this rank's summed loss (on ``device``) and the samples seen after the epoch."""
+    loss_sum = torch.zeros((), device=device)
     for inputs, target in loader:
+        inputs, target = _on(inputs, target, device)
         for group in optimizer.param_groups:
             group["lr"] = opt_cfg.lr * lr_factor(seen / total_samples, opt_cfg)
-        loss = F.cross_entropy(logits(model, inputs, names), target)
+        with _autocast(device, dtype):
+            loss = F.cross_entropy(logits(model, inputs, names).float(), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if opt_cfg.grad_clip is not None:
@@ -178,6 +209,49 @@ def train_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.opt
         loss_sum += loss.detach()
         seen += step_samples
     return loss_sum, seen
+
+
+def _loaders(cfg: RunConfig, splits, rank: int, world: int, sample_order: str, gpu: bool
+             ) -> tuple[Any, DataLoader, DataLoader]:
+    """This rank's sampler, training loader (``data.batch_size / N`` per step) and eval loader
+    (every N-th eval sample, so the ranks score each sample once)."""
+    train = _Samples(splits.train)
+    if sample_order == "pt-ray":
+        sampler = PtRayOrder(cfg, len(train), rank, world)
+    else:
+        sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train, batch_size=cfg.data.batch_size // world, sampler=sampler,
+                        drop_last=True, num_workers=cfg.data.num_workers, pin_memory=gpu)
+    eval_rows = range(rank, len(splits.eval), world)
+    eval_loader = DataLoader(torch.utils.data.Subset(_Samples(splits.eval), eval_rows),
+                             batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                             num_workers=cfg.data.num_workers, pin_memory=gpu)
+    return sampler, loader, eval_loader
+
+
+def _epoch_record(epoch: int, num_layers: int, world: int, samples: int, epoch_time: float,
+                  train_loss: float, eval_metric: float, eval_time: float) -> dict[str, Any]:
+    """An epoch as pt-ray's ``EpochRecord`` has it: nothing frozen, K = 1, R = N, no cache."""
+    return {"epoch": epoch, "num_frozen": 0, "num_layers": num_layers, "pipeline_length": 1,
+            "num_replicas": world, "num_microbatches": 1,
+            "throughput_samples_per_s": samples / max(epoch_time, 1e-9),
+            "epoch_time_s": epoch_time, "transition_time_s": 0.0, "cache_hit_rate": 0.0,
+            "train_loss": train_loss, "eval_metric": eval_metric, "eval_time_s": eval_time}
+
+
+def _report(metrics: dict[str, Any], model: torch.nn.Module | None) -> None:
+    """``ray.train.report`` (a barrier: every rank reports), with a checkpoint of ``model``'s
+    ``state_dict`` when given one (rank 0, on pt-ray's checkpoint cadence)."""
+    import ray.train
+
+    if model is None:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        # DDP wraps the model when N > 1; the saved keys are the model's own.
+        torch.save(getattr(model, "module", model).state_dict(), Path(tmp) / "model.pt")
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -199,21 +273,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     adapter = build_model_for(cfg, splits)
     built_model = time.time()
     names = input_names(adapter)
-    model = ray.train.torch.prepare_model(adapter.model)
+    gpu, dtype = peer_device(cfg)
+    device = ray.train.torch.get_device() if gpu else torch.device("cpu")
+    model = ray.train.torch.prepare_model(adapter.model)  # on the worker's GPU where it has one
 
     per_worker = cfg.data.batch_size // world
-    train = _Samples(splits.train)
-    if config.get("sample_order", "distributed") == "pt-ray":
-        sampler = PtRayOrder(cfg, len(train), rank, world)
-    else:
-        sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-    loader = DataLoader(train, batch_size=per_worker, sampler=sampler, drop_last=True,
-                        num_workers=cfg.data.num_workers)
-    eval_rows = range(rank, len(splits.eval), world)  # every sample once over the ranks
-    eval_loader = DataLoader(torch.utils.data.Subset(_Samples(splits.eval), eval_rows),
-                             batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-                             num_workers=cfg.data.num_workers)
+    sampler, loader, eval_loader = _loaders(cfg, splits, rank, world,
+                                            config.get("sample_order", "distributed"), gpu)
     opt_cfg = cfg.optimizer
     optimizer = torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=opt_cfg.lr,
                                   betas=opt_cfg.betas)
@@ -227,46 +293,29 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
         loss_sum, seen = train_epoch(model, loader, optimizer, opt_cfg, seen, total_samples,
-                                     per_worker * world, names)
+                                     per_worker * world, names, device, dtype)
+        if gpu:
+            torch.cuda.synchronize(device)
         train_time = time.perf_counter() - t0
 
         t1 = time.perf_counter()
         scored = cfg.evaluates_after(epoch)
-        correct = _correct(model, eval_loader, names) if scored else 0
-        sums = torch.tensor([float(correct), float(loss_sum)], dtype=torch.float64)
-        times = torch.tensor([train_time], dtype=torch.float64)
+        correct = _correct(model, eval_loader, names, device, dtype) if scored else 0
+        # On the group's device: NCCL takes CUDA tensors only.
+        sums = torch.tensor([float(correct), float(loss_sum)], dtype=torch.float64, device=device)
+        times = torch.tensor([train_time], dtype=torch.float64, device=device)
         if world > 1:
             dist.all_reduce(sums)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
         eval_time = time.perf_counter() - t1 if scored else 0.0
         steps = len(loader)
-        history.append({
-            "epoch": epoch,
-            "num_frozen": 0,
-            "num_layers": adapter.num_layers,
-            "pipeline_length": 1,
-            "num_replicas": world,
-            "num_microbatches": 1,
-            "throughput_samples_per_s": steps * per_worker * world / max(float(times[0]), 1e-9),
-            "epoch_time_s": float(times[0]),
-            "transition_time_s": 0.0,
-            "cache_hit_rate": 0.0,
-            "train_loss": float(sums[1]) / world / max(steps, 1),
-            "eval_metric": float(sums[0]) / max(len(splits.eval), 1) if scored else math.nan,
-            "eval_time_s": eval_time,
-        })
+        history.append(_epoch_record(
+            epoch, adapter.num_layers, world, steps * per_worker * world, float(times[0]),
+            float(sums[1]) / world / max(steps, 1),
+            float(sums[0]) / max(len(splits.eval), 1) if scored else math.nan, eval_time))
         metrics = {**history[-1], "metric_name": adapter.metric_name, "history": list(history),
                    "startup": startup}
-        if not cfg.checkpoints_after(epoch):
-            ray.train.report(metrics)  # a barrier: every rank reports
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = None
-            if rank == 0:
-                # DDP wraps the model when N > 1; the saved keys are the model's own.
-                torch.save(getattr(model, "module", model).state_dict(), Path(tmp) / "model.pt")
-                checkpoint = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report(metrics, checkpoint=checkpoint)
+        _report(metrics, model if cfg.checkpoints_after(epoch) and rank == 0 else None)
 
 
 @dataclass(frozen=True)
@@ -313,6 +362,7 @@ def run_peer(cfg: RunConfig, run_dir: Path, sample_order: str = "distributed") -
     from ray.train.torch import TorchConfig, TorchTrainer
 
     check_config(cfg)
+    gpu, _ = peer_device(cfg)
     if sample_order not in SAMPLE_ORDERS:
         raise ValueError(f"sample_order={sample_order!r}: choose one of {', '.join(SAMPLE_ORDERS)}")
     # bench/ is not importable on Ray's workers: ship this module's code with the function.
@@ -321,9 +371,10 @@ def run_peer(cfg: RunConfig, run_dir: Path, sample_order: str = "distributed") -
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"run": cfg.model_dump(mode="json"), "sample_order": sample_order},
-        scaling_config=ScalingConfig(num_workers=p.num_workers, use_gpu=False,
-                                     resources_per_worker={"CPU": p.cpus_per_worker}),
-        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=p.num_workers, use_gpu=gpu,
+                                     resources_per_worker={"CPU": p.cpus_per_worker,
+                                                           **({"GPU": 1} if gpu else {})}),
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         run_config=TrainRunConfig(
             name=f"peer-{uuid.uuid4().hex[:8]}",
             storage_path=str((run_dir / "ray").resolve()),

@@ -46,11 +46,26 @@ def tiny_config(tmp_path, **extra):
      r"data\.name=squad_json: the peer arm trains classifiers only"),
     ({"batch_policy": "per_replica"}, r"batch_policy=per_replica"),
     ({"precision": "bf16"}, r"precision=bf16"),
-    ({"pipeline": {"num_workers": 2, "use_gpu": True}}, r"use_gpu=True"),
+    ({"pipeline": {"num_workers": 2, "use_gpu": True}, "precision": "fp16"},
+     r"use_gpu=True, precision=fp16"),
 ])
 def test_peer_refuses_what_it_cannot_run_like_for_like(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         peer_ddp.check_config(tiny_config(tmp_path, **overrides))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("use_gpu", "precision", "expected"), [
+    (True, "auto", (True, torch.bfloat16)),   # as pt-ray: bf16 on GPUs unless told otherwise
+    (True, "fp32", (True, torch.float32)),
+    (True, "bf16", (True, torch.bfloat16)),
+    (False, "auto", (False, torch.float32)),
+    (False, "bf16", (False, None)),           # no bf16 autocast on CPUs: refused
+])
+def test_the_peer_trains_where_and_how_pt_ray_would(tmp_path, use_gpu, precision, expected):
+    cfg = tiny_config(tmp_path, pipeline={"num_workers": 1, "use_gpu": use_gpu},
+                      precision=precision)
+    assert peer_ddp.peer_device(cfg) == expected
 
 
 @pytest.mark.unit
