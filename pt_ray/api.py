@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -51,10 +52,15 @@ def resolve_config(
 
 
 def check_output_dir(run_dir: str | Path) -> None:
-    """Fail unless ``run_dir`` is a writable folder or can be created as one, creating nothing.
+    """Fail unless ``run_dir`` is a writable folder or can be created as one, leaving nothing.
+
+    Beyond the permission bits, it tries: it makes the missing folders and a file in the last
+    one, then removes what it made (a folder that permissions allow can still refuse, as
+    ``/proc`` or a read-only mount does, and root passes every permission check).
 
     Raises:
-        ConfigError: a file is in the way, or the nearest existing folder is read-only.
+        ConfigError: a file is in the way, the nearest existing folder is read-only, or the
+            folder cannot be made or written for another reason (the system's, named).
     """
     path = Path(run_dir).absolute()
     fix = "choose another --output (or output_dir/name in the config)"
@@ -69,6 +75,27 @@ def check_output_dir(run_dir: str | Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"output folder {str(path)!r} cannot be created: {str(existing)!r} "
                           f"is not writable; {fix}, or make it writable")
+    _try_output_dir(path, existing, fix)
+
+
+def _try_output_dir(path: Path, existing: Path, fix: str) -> None:
+    """Make ``path`` (below its nearest existing folder ``existing``) and a file in it, then
+    remove both; a failure becomes one line naming the system's reason."""
+    made: list[Path] = []
+    try:
+        for folder in reversed([f for f in (path, *path.parents) if existing in f.parents]):
+            folder.mkdir()
+            made.append(folder)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".pt-ray-write-check-"):
+            pass
+    except OSError as err:
+        what = "written" if path == existing else "created"
+        where = f" ({str(err.filename)!r})" if err.filename else ""
+        raise ConfigError(f"output folder {str(path)!r} cannot be {what}: "
+                          f"{err.strerror or err}{where}; {fix}") from None
+    finally:
+        for folder in reversed(made):
+            folder.rmdir()
 
 
 def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:

@@ -234,6 +234,27 @@ def test_output_folder_in_a_read_only_folder(tmp_path, capsys, monkeypatch):
           "choose another --output")
 
 
+@pytest.mark.unit
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_output_folder_the_system_refuses(tmp_path, capsys):
+    # /proc passes every permission check as root, yet refuses new folders: only trying tells.
+    fails(capsys, tmp_path, ["--output", "/proc/forbidden/run"],
+          "output folder '/proc/forbidden/run' cannot be created: No such file or directory "
+          "('/proc/forbidden')", "choose another --output")
+    assert not Path("/proc/forbidden").exists()
+
+
+@pytest.mark.unit
+def test_the_output_check_leaves_nothing_behind(tmp_path):
+    from pt_ray.api import check_output_dir
+
+    check_output_dir(tmp_path / "a" / "b" / "run")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "run").mkdir()
+    check_output_dir(tmp_path / "run")
+    assert list((tmp_path / "run").iterdir()) == []
+
+
 # -- the tokenizer ------------------------------------------------------------------------------
 
 
