@@ -102,6 +102,23 @@ def test_dataset_path_unset_or_missing(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_damaged_image_in_an_image_folder(tmp_path, capsys):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (images / split / cls).mkdir(parents=True)
+            Image.new("RGB", (8, 8), (9, 9, 9)).save(images / split / cls / "0.png")
+    broken = images / "train" / "b" / "1.jpg"
+    broken.write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    fails(capsys, tmp_path,
+          ["--config", config_file(tmp_path, data={"name": "imagefolder", "path": str(images)})],
+          f"1 of 5 images under {str(images)!r} cannot be read: {str(broken)!r}",
+          "set data.skip_damaged=true")
+
+
+@pytest.mark.unit
 def test_cifar_batch_that_is_not_a_pickle_or_not_a_batch(tmp_path, capsys):
     folder = tmp_path / "cifar" / "cifar-10-batches-py"
     folder.mkdir(parents=True)

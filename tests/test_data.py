@@ -302,6 +302,41 @@ def _write_png_tree(root: Path) -> None:
     (root / "train" / "cat" / "notes.txt").write_text("not an image")
 
 
+def _damage_two(root: Path) -> tuple[Path, Path]:
+    """A file that is not an image and a PNG cut short, among the tree's good ones."""
+    garbage = root / "train" / "dog" / "9.png"
+    garbage.write_bytes(b"not a png at all")
+    cut = root / "val" / "cat" / "1.png"
+    cut.write_bytes(cut.read_bytes()[:40])
+    return garbage, cut
+
+
+def test_imagefolder_names_damaged_files_before_training(tmp_path: Path) -> None:
+    _write_png_tree(tmp_path)
+    garbage, cut = _damage_two(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_imagefolder(tmp_path, image_size=8)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"2 of 11 images under {str(tmp_path)!r} cannot be read: ")
+    assert str(garbage) in message and str(cut) in message
+    assert "set data.skip_damaged=true" in message
+
+
+def test_imagefolder_skips_damaged_files_when_asked(tmp_path: Path, caplog) -> None:
+    _write_png_tree(tmp_path)
+    garbage, cut = _damage_two(tmp_path)
+    with caplog.at_level("WARNING", logger="pt_ray.data.check"):
+        s = load_imagefolder(tmp_path, image_size=8, skip_damaged=True)
+    assert (len(s.train), len(s.eval)) == (6, 3)
+    assert garbage not in s.train.files and cut not in s.eval.files
+    assert "leaving out 2 of 11 images" in caplog.text
+    assert _all(s.train).target.tolist() == [0, 0, 0, 1, 1, 1]
+    # Through the config, as a run builds it.
+    cfg = DataConfig(name="imagefolder", path=str(tmp_path), image_size=8, skip_damaged=True)
+    assert len(build_dataset(cfg).eval) == 3
+
+
 def test_imagefolder_reads_classes_and_resizes(tmp_path: Path) -> None:
     _write_png_tree(tmp_path)
     s = load_imagefolder(tmp_path, image_size=8)

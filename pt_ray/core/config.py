@@ -161,6 +161,9 @@ class DataConfig(_Section):
     non-deterministic, which keeps the activation cache off unless forced."""
     num_workers: int = Field(default=0, ge=0)
     """Background loader processes per worker (0: load in the training process)."""
+    skip_damaged: bool = False
+    """Image folders: train without the files that cannot be read (counted and logged) instead
+    of failing before training starts, naming them."""
 
 
 class FreezeConfig(_Section):

@@ -74,7 +74,8 @@ def _cifar(classes: int) -> _Builder:
 
 def _imagefolder(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
     return load_imagefolder(
-        _path(cfg), image_size=cfg.image_size, augment=cfg.augment, seed=seed
+        _path(cfg), image_size=cfg.image_size, augment=cfg.augment, seed=seed,
+        skip_damaged=cfg.skip_damaged,
     )
 
 

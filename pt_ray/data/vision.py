@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from pt_ray.core.config import PICKLE_ERRORS, ConfigError, first_line
 from pt_ray.data.base import Batch, DatasetSplits, TensorSampleDataset
+from pt_ray.data.check import drop_damaged
 from pt_ray.data.transforms import (
     CIFAR10_STATS,
     CIFAR100_STATS,
@@ -387,20 +388,25 @@ def load_imagefolder(
     image_size: int | None = None,
     augment: bool = False,
     seed: int = 0,
+    skip_damaged: bool = False,
 ) -> DatasetSplits:
     """Images in ``root/train/<class>/*`` and ``root/val/<class>/*``, read lazily per batch.
 
-    Classes are the sorted sub-folder names of ``train``; ``val`` may not add new ones.
+    Classes are the sorted sub-folder names of ``train``; ``val`` may not add new ones. Every
+    file is verified first (:mod:`pt_ray.data.check`), so a damaged one fails here, not when a
+    batch first reads it.
 
     Args:
         root: the dataset folder.
         image_size: side in pixels every image is resized and centre-cropped to (default 224).
         augment: random crop (padding 4) and horizontal flip on the training split.
         seed: the augmentation key.
+        skip_damaged: leave out the files that cannot be read (logged with their count)
+            instead of failing.
 
     Raises:
-        ConfigError: ``train``/``val`` is missing or holds no images, or ``val`` has a class
-            that ``train`` lacks.
+        ConfigError: ``train``/``val`` is missing or holds no images, ``val`` has a class
+            that ``train`` lacks, or a file cannot be read and ``skip_damaged`` is false.
     """
     root = Path(root)
     layout = (
@@ -426,9 +432,12 @@ def load_imagefolder(
         )
     size = image_size or 224
     mean, std = IMAGENET_STATS
+    readable = set(drop_damaged(root, [f for per in splits.values() for fs in per.values()
+                                       for f in fs], skip_damaged))
 
     def make(split: str, transform: ImageTransform) -> ImageFileDataset:
-        files = [(f, i) for i, c in enumerate(classes) for f in splits[split].get(c, [])]
+        files = [(f, i) for i, c in enumerate(classes) for f in splits[split].get(c, [])
+                 if f in readable]
         labels = torch.tensor([i for _, i in files], dtype=torch.int64)
         return ImageFileDataset([f for f, _ in files], labels, size, transform)
 
