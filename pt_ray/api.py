@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pt_ray.core.config import ConfigError, RunConfig, build_config, layer_config, load_config
 from pt_ray.reporting.summary import EpochRecord, format_epoch, write_summary
+from pt_ray.reporting.files import hold_run_folder, write_text_atomically
 
 if TYPE_CHECKING:
     from pt_ray.core.devices import DeviceChoice
@@ -260,11 +261,22 @@ def fit(
     from pt_ray.core.control import cache_policy
 
     logger.info(cache_policy(cfg, splits.train.deterministic_transform).describe())
+    # One live run per folder: a second one stops here, before it writes anything.
+    with hold_run_folder(run_dir):
+        return _train(cfg, choice, run_dir, splits, adapter, built_from, preflight_s,
+                      worker_env, on_epoch, resumed)
+
+
+def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: DatasetSplits,
+           adapter: ModelAdapter, built_from: float, preflight_s: float,
+           worker_env: dict[str, str] | None, on_epoch: Callable[[EpochRecord], None] | None,
+           resumed: ResumePoint | None) -> Result:
+    """Steps 4-6 of :func:`fit`, in the run folder it holds: train on the engine the config
+    names, then write ``summary.json``, the extras and the exported model."""
 
     def start(resolved: RunConfig) -> None:
         # Written once devices and precision are resolved, before any worker starts.
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(resolved.to_yaml())
+        write_text_atomically(run_dir / "config.yaml", resolved.to_yaml())
 
     # The reference run's time counts building its dataset and model, as the Ray workers' does.
     t0 = built_from if cfg.engine == "reference" else time.perf_counter()

@@ -4,6 +4,7 @@ stops with a clear error, and none can wait forever."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,23 @@ def test_controller_killed_mid_run_is_restarted_and_rebuilt_from_the_checkpoint(
     assert [r.epoch for r in result.timeline] == [0, 1, 2]
     assert [r.num_frozen for r in result.timeline] == [0, 2, 3]
     assert len(result.decisions) >= 2
+    assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_controller_killed_after_the_workers_last_call_still_gives_the_whole_summary(
+        ray_cluster, tmp_path, reference_params):
+    # Rank 0 kills the controller once training is over: Ray restarts it empty and no worker
+    # call is left to restore it. The driver's final collection reads the run's last
+    # checkpoint instead, so the summary and the timeline are whole.
+    result = _run_with_fault(tmp_path, "fault-controller-end", "controller:3:0:0")
+    assert result.restarts == 0
+    assert [r.epoch for r in result.timeline] == [0, 1, 2]
+    assert [r.num_frozen for r in result.timeline] == [0, 2, 3]
+    assert len(result.decisions) >= 2 and result.metric_name == "accuracy"
+    summary = json.loads((tmp_path / "fault-controller-end" / "summary.json").read_text())
+    assert [r["epoch"] for r in summary["timeline"]] == [0, 1, 2]
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
 
 

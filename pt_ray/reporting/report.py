@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from pt_ray.reporting.files import replaced_atomically
 from pt_ray.reporting.summary import ideal_speedup
 
 __all__ = [
@@ -495,6 +496,6 @@ def render_report(summary: SummaryLike, out_png: str | Path,
         ax.grid(axis="y", alpha=0.3)
 
     out = Path(out_png).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi)
+    with replaced_atomically(out) as tmp:
+        fig.savefig(tmp, dpi=dpi)
     return out

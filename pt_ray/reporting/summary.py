@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pt_ray.reporting.files import write_text_atomically
+
 __all__ = [
     "EpochRecord",
     "RankMemory",
@@ -190,8 +192,7 @@ def write_summary(
         "precision": precision,
         **(extra or {}),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
+    write_text_atomically(path, json.dumps(summary, indent=2))
     return summary
 
 

@@ -3,7 +3,8 @@
 ``PT_RAY_FAULT="<point>:<epoch>:<step>:<rank>:<marker path>"`` makes rank ``<rank>`` fail at
 ``<point>`` of epoch ``<epoch>`` (from 0), once: the marker file records that the fault fired, so
 the restarted run goes through. ``<step>`` is the epoch's step for step points and ignored by
-the others. The points:
+the others; for ``step``, ``controller`` and ``hang``, epoch ``epochs`` (one past the last)
+with step 0 is after the workers' last call of the run, before they return. The points:
 
 - ``step``: the rank kills its own process (SIGKILL) before that step.
 - ``migration``: the rank kills itself in the middle of the transition that opens the epoch,

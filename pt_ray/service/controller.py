@@ -205,12 +205,14 @@ class ControllerActor:
         return list(self.state.decisions) if self.state else []
 
     async def summary(self) -> dict[str, Any]:
-        """Timeline, decisions and the metric's name, for the driver at the end of a run."""
+        """Timeline, decisions and the metric's name, for the driver at the end of a run;
+        ``holds_state`` is false for a restarted actor nobody restored (its lists are empty)."""
         rollbacks = [{**r, "discarded": [asdict(d) for d in self.state.discarded]}
                      for r in self.state.rollbacks] if self.state else []
         return {"timeline": await self.timeline(), "decisions": await self.decisions(),
                 "metric_name": self.metric_name, "restarts": self.restarts,
-                "rollbacks": rollbacks, "startup": self.startup_figures}
+                "rollbacks": rollbacks, "startup": self.startup_figures,
+                "holds_state": self.state is not None}
 
     async def _notify(self) -> None:
         async with self.changed:

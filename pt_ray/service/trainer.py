@@ -256,23 +256,12 @@ def _train_env(placement_timeout_s: float, watch_preemption: bool) -> Iterator[N
             os.environ.pop(name, None)
 
 
-def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
-         autoscaler: bool = False, resume_from: Path | None = None,
-         watch_preemption: bool = True) -> RayRun:
+def _trainer(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, run_id: str,
+             cache: dict[str, Any], worker_env: dict[str, str], autoscaler: bool,
+             resume_from: Path | None) -> tuple[TorchTrainer, int | tuple[int, int]]:
+    """Ray Train's trainer for the run, and its worker count (a range with
+    ``pipeline.min_workers``)."""
     p = cfg.pipeline
-    run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-    # A lost controller comes back (Ray restarts it) and restores itself from the latest
-    # checkpoint in the run's storage folder when the workers find it again.
-    controller = ControllerActor.options(
-        name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
-    ).remote(cfg.model_dump(mode="json"), str((run_dir / "ray" / run_id).resolve()))
-    # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
-    # them). Whether the cache may really turn on (the dataset's transform, the planner's
-    # prediction) is decided later; the config alone may already rule it out (cache.mode=off,
-    # nothing freezes).
-    cache: dict[str, Any] = {}
-    if cache_policy(cfg, deterministic_transform=True).mode != "off":
-        cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)
     use_gpu = choice.use_gpu
     workers: int | tuple[int, int] = (
         p.num_workers if p.min_workers is None else (p.min_workers, p.num_workers)
@@ -308,6 +297,29 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
             worker_runtime_env={"env_vars": worker_env} if worker_env else None,
         ),
     )
+    return trainer, workers
+
+
+def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
+         autoscaler: bool = False, resume_from: Path | None = None,
+         watch_preemption: bool = True) -> RayRun:
+    p = cfg.pipeline
+    run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+    # A lost controller comes back (Ray restarts it) and restores itself from the latest
+    # checkpoint in the run's storage folder when the workers find it again.
+    controller = ControllerActor.options(
+        name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
+    ).remote(cfg.model_dump(mode="json"), str((run_dir / "ray" / run_id).resolve()))
+    # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
+    # them). Whether the cache may really turn on (the dataset's transform, the planner's
+    # prediction) is decided later; the config alone may already rule it out (cache.mode=off,
+    # nothing freezes).
+    cache: dict[str, Any] = {}
+    if cache_policy(cfg, deterministic_transform=True).mode != "off":
+        cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)
+    use_gpu = choice.use_gpu
+    trainer, workers = _trainer(cfg, choice, run_dir, run_id, cache, worker_env, autoscaler,
+                                resume_from)
     logger.info("run %s: %s workers (%s, %s) on Ray Train", run_id, workers,
                 "GPU" if use_gpu else "CPU", choice.backend)
     cache_report: dict[str, Any] = {}
@@ -325,7 +337,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
             if failure is None:
                 raise
             raise failure from err
-        summary = ray.get(controller.summary.remote())
+        summary = _final_summary(controller, result)
         if cache:
             cache_report = _cache_report(cache)
     finally:
@@ -341,6 +353,39 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
                   run_id, summary["restarts"], cache_report, config=cfg, device=choice.device,
                   rollbacks=summary["rollbacks"], startup=startup)
+
+
+def _final_summary(controller: Any, result: Any) -> dict[str, Any]:
+    """The controller's summary at the end of a run, restored first where the controller lost
+    it: Ray restarts a killed controller empty, and when that happens after the workers' last
+    call, no worker restores it. The run's last checkpoint then holds the same timeline,
+    decisions and rollbacks (its controller state is taken after the last epoch's record).
+
+    Raises:
+        RuntimeError: the controller lost its state and the run left no checkpoint (one line
+            that says so; training itself finished).
+    """
+    try:
+        summary = ray.get(controller.summary.remote())
+    except ray.exceptions.RayActorError:
+        summary = None  # gone for good (its restarts used up)
+    if summary is not None and summary["holds_state"]:
+        return summary
+    if result.checkpoint is None:
+        raise RuntimeError("the controller was lost after training and the run left no "
+                           "checkpoint to read its timeline from")
+    from pt_ray.runtime.checkpoint import read_meta
+
+    state = read_meta(Path(result.checkpoint.path))["controller"]
+    logger.warning("the controller restarted after the workers' last call: the run's timeline "
+                   "comes from its last checkpoint, %s", Path(result.checkpoint.path).name)
+    return {"timeline": [EpochRecord.from_dict(r) for r in state["timeline"]],
+            "decisions": list(state["decisions"]),
+            "metric_name": (result.metrics or {}).get("metric_name", "accuracy"),
+            "restarts": summary["restarts"] if summary else 0,
+            "rollbacks": [{**r, "discarded": list(state["discarded"])}
+                          for r in state["rollbacks"]],
+            "startup": summary["startup"] if summary else {}}
 
 
 def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:

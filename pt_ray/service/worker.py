@@ -235,5 +235,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             raise
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+    if at_step is not None:
+        at_step(cfg.epochs, 0)  # epoch `epochs`: after every call the workers make
     steps.close()
     worker.close()

@@ -1,0 +1,92 @@
+"""The run folder's own files: written whole or not at all, and held by one live run.
+
+``summary.json``, ``config.yaml`` and ``report.png`` are written to a temporary file beside
+their place and moved over it (``os.replace``, atomic on one file system), so a reader or a
+crash never meets half a file. A run holds ``.pt-ray.lock`` in its folder while it runs (an
+``fcntl`` lock, which the system releases when the process ends, however it ends), so a second
+run given the same folder stops at once and names the holder instead of writing over the first
+one's checkpoints and summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pt_ray.core.config import ConfigError
+
+__all__ = ["LOCK_FILE", "RunFolderBusy", "hold_run_folder", "replaced_atomically",
+           "write_text_atomically"]
+
+LOCK_FILE = ".pt-ray.lock"
+
+
+class RunFolderBusy(ConfigError):
+    """Another live run holds the run folder."""
+
+
+@contextmanager
+def replaced_atomically(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix) to write to; moved over ``path`` when the
+    block ends without error, removed otherwise."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    """``path.write_text(text)``, all or nothing."""
+    with replaced_atomically(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+@contextmanager
+def hold_run_folder(run_dir: str | Path) -> Iterator[None]:
+    """Hold ``run_dir`` for this run (creating it) until the block ends.
+
+    Raises:
+        RunFolderBusy: another live process holds it (naming its pid, host and start).
+    """
+    import fcntl
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise RunFolderBusy(f"run folder {str(run_dir)!r} is in use by another run "
+                                f"({_describe(handle.read())}); wait for it to end, or choose "
+                                f"another --output (or output_dir/name in the config)") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}))
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _describe(holder: str) -> str:
+    try:
+        info = json.loads(holder)
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
