@@ -102,9 +102,11 @@ def test_launcher_yaml_sizes(aws):
         assert shm > store, (shm, store)
     assert "--gpus all" in docker["worker_run_options"]
     env = " ".join(docker["run_options"])
-    assert "-e RAY_AUTH_MODE=disabled" in env and "PT_RAY_OUTPUT=/mnt/pt-ray/runs" in env
+    assert "-e RAY_AUTH_MODE=token" in env and "PT_RAY_OUTPUT=/mnt/pt-ray/runs" in env
     assert "-v /mnt/pt-ray:/mnt/pt-ray" in env
-    assert aws["file_mounts"] == {"~/pt-ray": "."}
+    # The token travels from the launcher's own file, Ray's default path, into every container.
+    assert aws["file_mounts"] == {"~/pt-ray": ".", "~/.ray/auth_token": "~/.ray/auth_token"}
+    assert "--dashboard-host=0.0.0.0" in " ".join(aws["head_start_ray_commands"])
 
 
 def test_launcher_docker_command_composes(aws):
@@ -126,6 +128,20 @@ def test_cluster_job_config_resolves():
 
 
 # --- KubeRay --------------------------------------------------------------------------------
+
+
+# Every container takes its token from this Secret; no file in the repository holds one.
+TOKEN_FROM_SECRET = {"secretKeyRef": {"name": "pt-ray-auth", "key": "auth_token"}}
+
+
+def test_no_cluster_file_holds_a_token_or_opens_the_dashboard_without_auth():
+    for path in sorted(p for p in CLUSTER.rglob("*") if p.is_file()):
+        text = path.read_text()
+        # A token is never written down: only the Secret, the environment or Ray's own file.
+        assert not re.search(r"RAY_AUTH_TOKEN\s*[:=]\s*['\"]?[0-9a-f]{16,}", text), path
+        assert "RAY_AUTH_MODE=disabled" not in text and "value: disabled" not in text, path
+        if "0.0.0.0" in text:
+            assert "RAY_AUTH_MODE=token" in text or "value: token" in text, path
 
 
 def load(name: str) -> dict:
@@ -161,8 +177,9 @@ def check_cluster_spec(spec: dict) -> dict:
     for name, group, container in groups:
         pod = group["template"]["spec"]
         assert container["image"] == hc["image"], name
-        env = {e["name"]: e["value"] for e in container["env"]}
-        assert env["RAY_AUTH_MODE"] == "disabled", name
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+        assert env["RAY_AUTH_MODE"] == "token", name
+        assert env["RAY_AUTH_TOKEN"] == TOKEN_FROM_SECRET, name
         assert env["PT_RAY_OUTPUT"].startswith("/mnt/pt-ray/"), name
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -194,7 +211,10 @@ def test_rayjob_manifest_runs_jobs_train_sized_for_its_cluster():
     assert (ROOT / "jobs" / "train.py").is_file()
     assert spec["shutdownAfterJobFinishes"] is True
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
-    assert env["RAY_AUTH_MODE"] == "disabled" and env["PT_RAY_OUTPUT"] == "/mnt/pt-ray/runs"
+    assert env["RAY_AUTH_MODE"] == "token" and env["PT_RAY_OUTPUT"] == "/mnt/pt-ray/runs"
+    submitter = spec["submitterPodTemplate"]["spec"]["containers"][0]
+    sub_env = {e["name"]: e.get("value", e.get("valueFrom")) for e in submitter["env"]}
+    assert sub_env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN_FROM_SECRET}
     sizes = check_cluster_spec(spec["rayClusterSpec"])
     # The same cluster as raycluster.yaml.
     assert spec["rayClusterSpec"] == load("raycluster.yaml")["spec"]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -171,8 +172,10 @@ class Head:
                 pass
 
 
-def http_json(url: str, timeout: float = 5):
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def http_json(url: str, timeout: float = 5, token: str | None = None):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -186,6 +189,11 @@ def cli_env() -> dict[str, str]:
 
 @pytest.fixture
 def ray_head():
+    yield from _ray_head()
+
+
+def _ray_head(token: str | None = None):
+    """Start a head (with token authentication when given ``token``), yield it, stop it."""
     # A short dir of our own: Ray's unix socket paths under it must stay below 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="ptj-", dir="/tmp")
     gcs, dash, client, agent, agent_grpc, env_agent, metrics, node, obj = free_ports(9)
@@ -203,7 +211,8 @@ def ray_head():
     ]
     # SIGTERM otherwise drains the node for up to 30 s: Train's autoscaling-coordinator actor
     # outlives the job and keeps a worker leased, so the node never turns idle.
-    env = {**cli_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = {**cli_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           **({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {})}
     t0 = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -215,8 +224,8 @@ def ray_head():
             if proc.poll() is not None:
                 pytest.fail(f"ray start exited {proc.returncode}:\n{log.read_text()[-3000:]}")
             try:
-                http_json(f"{head.url}/api/version")
-                http_json(f"{head.url}/api/jobs/")  # the job API answers
+                http_json(f"{head.url}/api/version", token=token)
+                http_json(f"{head.url}/api/jobs/", token=token)  # the job API answers
                 head.start_s = time.monotonic() - t0
                 break
             except OSError:
@@ -312,3 +321,51 @@ def test_ray_job_submit_trains_on_the_head_and_writes_the_summary(ray_head, tmp_
     assert ray_head.proc.returncode is not None
     assert not ray_head.stray, f"left behind by ray start --block: {ray_head.stray}"
     print(f"head start {ray_head.start_s:.1f} s, job {job_s:.1f} s, head stop {stop_s:.1f} s")
+
+
+@pytest.fixture
+def ray_head_with_token():
+    token = uuid.uuid4().hex + uuid.uuid4().hex
+    for head in _ray_head(token):
+        yield head, token
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_head_with_token_auth_takes_jobs_with_the_token_and_refuses_them_without(
+        ray_head_with_token, tmp_path):
+    head, token = ray_head_with_token
+    repo = working_dir_copy(tmp_path / "repo")
+    out = tmp_path / "out"
+
+    def submit(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+        cmd = [str(RAY), "job", "submit", "--address", head.url, "--working-dir", str(repo),
+               "--runtime-env-json", json.dumps({"env_vars": {
+                   "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+                   "RAY_API_SERVER_ADDRESS": head.url}}),
+               "--", "python", "jobs/train.py", *args]
+        return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=420)
+
+    # Without the token: the Jobs API refuses the request, and no job exists afterwards.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        http_json(f"{head.url}/api/jobs/")
+    assert refused.value.code in (401, 403)
+    for env in (cli_env(), {**cli_env(), "RAY_AUTH_MODE": "token"},
+                {**cli_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}):
+        denied = submit(env, "--set", "epochs=1", "--output", str(out))
+        said = (denied.stdout + denied.stderr).lower()
+        assert denied.returncode != 0, said[-2000:]
+        assert any(word in said for word in ("401", "403", "unauthorized", "token")), said[-2000:]
+    assert http_json(f"{head.url}/api/jobs/", token=token) == []
+    assert not out.exists()
+
+    # With it (as cluster/README.md says: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the shell),
+    # the job runs pt-ray on the head and writes its summary.
+    done = submit({**cli_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+                  "--set", "epochs=1", "--set", "data.num_samples=128", "--output", str(out))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["epoch"] for r in summary["timeline"]] == [0]
+    jobs = http_json(f"{head.url}/api/jobs/", token=token)
+    assert [j["status"] for j in jobs] == ["SUCCEEDED"]
