@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pt_ray.core.config import RunConfig
 from pt_ray.core.control import cache_policy, decision_interval
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
-from pt_ray.runtime.faults import FaultSwitch, kill_self
+from pt_ray.runtime.faults import FaultSwitch, kill_self, stall
 from pt_ray.data.sampler import (
     CacheBlocks,
     accumulation_chunks,
@@ -230,6 +230,7 @@ class ElasticWorker:
             midway = None
             if self.fault is not None:
                 midway = partial(self.fault.at, "migration", self._epoch)
+                self.fault.at("stall", self._epoch, action=stall)
             for name in plan.stage_layers(stage):
                 if not is_held(self.modules[name]):  # it arrives by migration, into this storage
                     materialise(self.modules[name], self.device)

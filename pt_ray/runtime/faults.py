@@ -16,6 +16,9 @@ with step 0 is after the workers' last call of the run, before they return. The 
   empty; the worker group restarts from the checkpoint and restores its state).
 - ``hang``: the rank stops answering before that step (sleeps while its peers wait inside a
   collective) until its process is ended.
+- ``stall``: the rank sleeps ``STALL_S`` seconds at the start of the transition that opens the
+  epoch, before any layer moves (its peers wait for it), so that something else can land while
+  the transition is in flight (a stopped job, in tests); then it goes on.
 - ``eval``: the rank counts none of its correct predictions in the epoch's evaluation, so the
   eval metric falls as after a harmful freeze (the accuracy guard's input).
 
@@ -33,13 +36,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FAULT_ENV", "POINTS", "FaultSwitch", "kill_self"]
+__all__ = ["FAULT_ENV", "POINTS", "STALL_S", "FaultSwitch", "kill_self", "stall"]
 
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "PT_RAY_FAULT"
 
-POINTS = ("step", "migration", "checkpoint", "controller", "hang", "eval")
+POINTS = ("step", "migration", "checkpoint", "controller", "hang", "eval", "stall")
+STALL_S = 30.0
+
+
+def stall() -> None:
+    """Hold this rank for ``STALL_S`` seconds (the ``stall`` point)."""
+    time.sleep(STALL_S)
 
 
 def kill_self() -> None:
