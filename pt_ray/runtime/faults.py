@@ -16,14 +16,14 @@ with step 0 is after the workers' last call of the run, before they return. The 
   empty; the worker group restarts from the checkpoint and restores its state).
 - ``hang``: the rank stops answering before that step (sleeps while its peers wait inside a
   collective) until its process is ended.
-- ``stall``: the rank sleeps ``STALL_S`` seconds at the start of the transition that opens the
-  epoch, before any layer moves (its peers wait for it), so that something else can land while
-  the transition is in flight (a stopped job, in tests); then it goes on.
+- ``stall``: the rank sleeps ``STALL_S`` seconds before that step, or with step 0 at the start of
+  the transition that opens the epoch, before any layer moves (its peers wait for it), so that
+  something else can land meanwhile (a stopped job, a lost node, in tests); then it goes on.
 - ``eval``: the rank counts none of its correct predictions in the epoch's evaluation, so the
   eval metric falls as after a harmful freeze (the accuracy guard's input).
 
-Every point except ``step``, ``controller`` and ``hang`` is reached from the torch runtime,
-which calls :meth:`FaultSwitch.at` (a no-op without the variable).
+Every point except ``step``, ``controller``, ``hang`` and ``stall`` at a step is reached from
+the torch runtime, which calls :meth:`FaultSwitch.at` (a no-op without the variable).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class FaultSwitch:
         """Whether the fault fires here (and has not fired yet); marks it fired if so."""
         if point != self.point or epoch != self.epoch or self.marker.exists():
             return False
-        if point in ("step", "controller", "hang") and step != self.step:
+        if point in ("step", "controller", "hang", "stall") and step != self.step:
             return False
         time.sleep(self.delay_s)
         self.marker.write_text(f"{point} fault at epoch {epoch} step {step} (pid {os.getpid()})\n")

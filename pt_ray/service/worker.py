@@ -33,7 +33,7 @@ import torch._dynamo  # noqa: F401
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
 from pt_ray.data.registry import build_dataset
-from pt_ray.runtime.faults import FaultSwitch
+from pt_ray.runtime.faults import FaultSwitch, stall
 from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
 from pt_ray.runtime.engine import ElasticWorker
@@ -70,6 +70,7 @@ def _worker_faults(fault: FaultSwitch | None, controller_name: str):
         fault.at("step", epoch, step)
         fault.at("controller", epoch, step, kill_controller)
         fault.at("hang", epoch, step, hang)
+        fault.at("stall", epoch, step, stall)
 
     return at_step
 
