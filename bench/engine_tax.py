@@ -50,7 +50,7 @@ import peer_ddp  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 
 from pt_ray.api import resolve_config  # noqa: E402
-from pt_ray.core.control import build_control_state  # noqa: E402
+from pt_ray.control.state import build_control_state  # noqa: E402
 from pt_ray.data.registry import build_dataset  # noqa: E402
 from pt_ray.core.plan import CostTable  # noqa: E402
 from pt_ray.runtime.engine import ElasticWorker, LocalController  # noqa: E402

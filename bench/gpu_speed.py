@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pt_ray.core.config import build_config
-from pt_ray.core.control import build_control_state
+from pt_ray.control.state import build_control_state
 from pt_ray.data.base import DatasetSplits, TensorSampleDataset
 from pt_ray.costs.hwprofile import profile_for_gpu
 from pt_ray.runtime.cache import InMemoryStore

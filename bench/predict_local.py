@@ -10,7 +10,7 @@ a ``compare.json`` and prints it beside the measurement:
    ``pt_ray.runtime.profile.profile_costs`` times its layers at every micro-batch size the
    measured timelines ran (replica batch / M; 16 samples for both plans of the default job, so no
    scaling per sample is needed there). Several profiles are merged by their median, as the
-   controller merges the ranks' profiles (``pt_ray.core.control.merge_costs``).
+   controller merges the ranks' profiles (``pt_ray.control.state.merge_costs``).
 2. Calibrate one constant, once, for every arm. The profile times each layer on its own, so it
    lacks what a training step spends besides layer compute: the pipeline library's and gloo's
    per-micro-batch work, the per-block gradient norms, the clip, the optimizer's per-tensor
@@ -65,7 +65,7 @@ import torch
 
 from pt_ray.api import default_config_path, resolve_config
 from pt_ray.core.config import RunConfig
-from pt_ray.core.control import merge_costs
+from pt_ray.control.state import merge_costs
 from pt_ray.core.plan import CostTable, replica_batch
 from pt_ray.costs.costmodel import load_hardware
 from pt_ray.costs.replay import (

@@ -62,8 +62,8 @@ _LAZY = {
     "build_dataset": ("pt_ray.data.registry", "build_dataset"),
     "export_run": ("pt_ray.runtime.export", "export_run"),
     "load_checkpoint_layers": ("pt_ray.runtime.checkpoint", "load_layers"),
-    "SweepResult": ("pt_ray.service.tune", "SweepResult"),
-    "sweep": ("pt_ray.service.tune", "sweep"),
+    "SweepResult": ("pt_ray.tune", "SweepResult"),
+    "sweep": ("pt_ray.tune", "sweep"),
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pt_ray.core.config import ConfigError, build_config, load_config
-from pt_ray.core.control import build_control_state, cache_policy
+from pt_ray.control.state import build_control_state, cache_policy
 from pt_ray.costs.costmodel import CacheLayout, cache_read_factor
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.data.registry import build_dataset
@@ -96,7 +96,7 @@ def test_cache_config_reads_yaml_on_off_and_rejects_bad_values():
 def test_augmented_data_keeps_the_cache_off_and_the_log_says_why(caplog):
     c = cfg(data={"name": "synthetic_image", "num_samples": 64, "augment": True},
             pipeline={"policy": "paper"}, cache={"mode": "on"})
-    caplog.set_level("INFO", logger="pt_ray.core.control")
+    caplog.set_level("INFO", logger="pt_ray.control.state")
     state = build_control_state(c, 4, 2, 2, deterministic_transform=False)
     assert "training transform is random" in caplog.text
     for r in range(2):
@@ -177,7 +177,7 @@ def test_cost_planner_keeps_the_cache_off_where_whole_block_reads_cost_more_and_
 
 
 def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
-    caplog.set_level("INFO", logger="pt_ray.core.control")
+    caplog.set_level("INFO", logger="pt_ray.control.state")
     c = cfg(freeze={"policy": "schedule", "alpha": 0.5, "warmup_epochs": 1},
             cache={"worker_memo_bytes": 2**30})
     state = build_control_state(c, 6, 2, 4)

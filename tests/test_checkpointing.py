@@ -8,7 +8,7 @@ import torch
 
 from dist_utils import run_ranks
 from pt_ray.core.config import build_config
-from pt_ray.core.control import build_control_state
+from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.core.plan import Plan
 from pt_ray.runtime.engine import ElasticWorker, LocalController

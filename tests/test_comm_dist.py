@@ -15,7 +15,7 @@ import torch
 
 from dist_utils import run_ranks
 from pt_ray.core.config import build_config
-from pt_ray.core.control import build_control_state
+from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.models.base import iter_layers
 from pt_ray.core.plan import CostTable

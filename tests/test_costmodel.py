@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from pt_ray.core.config import build_config
-from pt_ray.core.control import build_control_state
+from pt_ray.control.state import build_control_state
 from pt_ray.costs.costmodel import (
     PT_2021,
     PT_RAY,

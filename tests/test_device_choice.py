@@ -91,7 +91,7 @@ def test_apply_records_the_concrete_choice_and_round_trips():
 
 
 def test_sweep_reuse_matches_a_recorded_resolution_of_auto():
-    from pt_ray.service.tune import _same_config
+    from pt_ray.tune import _same_config
 
     wanted = cfg(epochs=2).model_dump(mode="json")
     recorded = choose_devices(cfg(epochs=2), 0).apply(cfg(epochs=2)).model_dump(mode="json")

@@ -3,7 +3,7 @@
 import pytest
 
 from pt_ray.core.config import build_config
-from pt_ray.core.control import build_control_state
+from pt_ray.control.state import build_control_state
 from pt_ray.costs.hwprofile import profile_for_gpu
 from pt_ray.core.plan import CostTable, LayerCost
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pt_ray.core.config import ConfigError, load_config
-from pt_ray.core.control import build_control_state, decision_interval, decisions_per_epoch
+from pt_ray.control.state import build_control_state, decision_interval, decisions_per_epoch
 from pt_ray.core.freeze import FreezeDecision
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime import reference

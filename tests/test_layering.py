@@ -1,5 +1,7 @@
-"""The layering: the pure core never imports torch.distributed or ray; the torch runtime
-never imports ray."""
+"""The layering: each folder of ``pt_ray`` imports only the folders below it (a table, checked
+module by module, so no two folders import each other), the pure folders never import torch or
+Ray, the torch runtime never imports Ray, and the entry points load torch and Ray only inside
+the functions that need them."""
 
 import ast
 from pathlib import Path
@@ -8,14 +10,31 @@ import pytest
 
 
 PKG = Path(__file__).resolve().parents[1] / "pt_ray"
-# Folders by layer: a module's folder says what it may import.
-PURE = ["core", "costs", "reporting"]
+# What each folder (or root module) may import from pt_ray, besides itself. Every pair below is
+# one-way: test_no_two_folders_import_each_other checks the table has no cycle.
+ALLOWED = {
+    "core": set(),
+    "costs": {"core"},
+    "reporting": {"core"},
+    "control": {"core", "costs", "reporting"},
+    "models": {"core"},
+    "data": {"core"},
+    "runtime": {"core", "control", "costs", "reporting", "models", "data"},
+    "service": {"core", "control", "costs", "reporting", "models", "data", "runtime"},
+    "api": {"core", "control", "costs", "reporting", "models", "data", "runtime", "service"},
+    "tune": {"core", "control", "costs", "reporting", "models", "data", "runtime", "service",
+             "api"},
+    "cli": {"core", "control", "costs", "reporting", "models", "data", "runtime", "service",
+            "api", "tune"},
+    "__init__": {"core", "reporting", "api"},
+}
+PURE = ["core", "costs", "reporting", "control"]
 TORCH_ONLY = ["models", "data", "runtime"]
-SERVICE = ["service"]
 # Above the layers: the command line and api.py import torch and Ray only inside functions, so a
-# bad argument or config fails before either loads.
+# bad argument or config fails before either loads. tune.py (pt_ray.sweep) is Ray Tune's driver
+# side, loaded by them only when a sweep runs.
 ENTRY = ["cli"]
-ROOT_MODULES = {"__init__.py", "api.py"}
+ROOT_MODULES = {"__init__.py", "api.py", "tune.py"}
 
 
 def modules_in(folder: str) -> list[Path]:
@@ -41,12 +60,81 @@ def offending(names: set[str], banned: tuple[str, ...]) -> set[str]:
     return {n for n in names if any(n == b or n.startswith(b + ".") for b in banned)}
 
 
+def unit_of(path: Path) -> str:
+    """The folder (or root module's stem) a module of pt_ray belongs to."""
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def folder_imports(paths) -> dict[str, set[str]]:
+    """unit -> the other units of pt_ray its modules import (at any depth)."""
+    edges: dict[str, set[str]] = {}
+    for path in paths:
+        unit = unit_of(path)
+        for name in imported_modules(path):
+            parts = name.split(".")
+            if parts[0] == "pt_ray" and len(parts) > 1 and parts[1] != unit:
+                edges.setdefault(unit, set()).add(parts[1])
+    return edges
+
+
+def cycle_in(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph ``edges`` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
 @pytest.mark.unit
-def test_package_root_holds_only_the_api_and_the_layer_folders():
+def test_package_root_holds_only_the_entry_modules_and_the_layer_folders():
     modules = {p.name for p in PKG.glob("*.py")}
     folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert modules == ROOT_MODULES
-    assert folders == set(PURE + TORCH_ONLY + SERVICE + ENTRY)
+    assert folders | {m.removesuffix(".py") for m in modules} == set(ALLOWED)
+
+
+@pytest.mark.unit
+def test_each_folder_imports_only_what_the_table_allows():
+    edges = folder_imports(sorted(PKG.rglob("*.py")))
+    extra = {unit: sorted(used - ALLOWED[unit]) for unit, used in edges.items()
+             if used - ALLOWED[unit]}
+    assert extra == {}
+
+
+@pytest.mark.unit
+def test_no_two_folders_import_each_other():
+    assert cycle_in({unit: set(allowed) for unit, allowed in ALLOWED.items()}) is None
+    assert cycle_in(folder_imports(sorted(PKG.rglob("*.py")))) is None
+
+
+@pytest.mark.unit
+def test_the_cycle_check_finds_a_cycle_between_folders(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x.py").write_text("from pt_ray.b.y import f\n")
+    (tmp_path / "b" / "y.py").write_text("def f():\n    from pt_ray.a import x\n")
+    global PKG
+    real, PKG = PKG, tmp_path
+    try:
+        edges = folder_imports(sorted(tmp_path.rglob("*.py")))
+    finally:
+        PKG = real
+    assert edges == {"a": {"b"}, "b": {"a"}}
+    assert cycle_in(edges) in (["a", "b", "a"], ["b", "a", "b"])
+    assert cycle_in({"a": {"b"}, "b": {"c"}}) is None
 
 
 @pytest.mark.unit
@@ -71,7 +159,7 @@ def test_command_line_loads_torch_and_ray_only_when_a_command_needs_them(folder)
     for path in modules_in(folder):
         at_import = imported_modules(path, top_level_only=True)
         assert not offending(at_import, ("ray", "torch", "pt_ray.service", "pt_ray.runtime",
-                                         "pt_ray.models", "pt_ray.data")), path
+                                         "pt_ray.models", "pt_ray.data", "pt_ray.tune")), path
 
 
 @pytest.mark.unit

@@ -12,7 +12,7 @@ import torch
 
 from dist_utils import run_ranks
 from pt_ray.core.config import build_config
-from pt_ray.core.control import ControlState, build_control_state
+from pt_ray.control.state import ControlState, build_control_state
 from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.data.registry import build_dataset
 from pt_ray.core.freeze import build_freeze_policy

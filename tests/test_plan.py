@@ -149,7 +149,7 @@ def test_pinned_pipeline_keeps_k_and_r_and_rebalances():
 @pytest.mark.parametrize("policy", ["paper", "cost"])
 def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
     from pt_ray.core.config import build_config
-    from pt_ray.core.control import build_control_state
+    from pt_ray.control.state import build_control_state
 
     cfg = build_config({
         "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 6, "width": 32,
@@ -159,7 +159,7 @@ def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
         "freeze": {"policy": "schedule", "alpha": 0.9, "warmup_epochs": 0},
         "pipeline": {"num_workers": 2, "policy": policy, "elastic": False},
     })
-    caplog.set_level("INFO", logger="pt_ray.core.control")
+    caplog.set_level("INFO", logger="pt_ray.control.state")
     state = build_control_state(cfg, 6, 2, 4)
     assert "at most 4 of 6 blocks will freeze" in caplog.text
     for r in range(2):

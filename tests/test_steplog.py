@@ -157,7 +157,7 @@ def test_live_scalars_are_on_disk_before_the_run_ends(tmp_path):
 
 
 def report_rank(rank, world, cfg):
-    from pt_ray.core.control import build_control_state
+    from pt_ray.control.state import build_control_state
     from pt_ray.data.registry import build_dataset
     from pt_ray.core.plan import CostTable
     from pt_ray.runtime.engine import ElasticWorker, LocalController

@@ -191,7 +191,7 @@ def test_bad_grid_is_refused(items, fragment):
 def test_baseline_reads_the_alpha_trials_batches_with_the_cache_on():
     from pt_ray.core.config import build_config
     from pt_ray.data.sampler import training_sampler
-    from pt_ray.service.tune import _plan
+    from pt_ray.tune import _plan
 
     # The cache changes no order, so the baseline needs no pin to read the alpha trial's batches.
     variants, _, configs = _plan(None, [0.5], None, ["data.num_samples=64", "cache.mode=on"],
@@ -266,7 +266,7 @@ def _args(argv):
 @pytest.fixture
 def no_ray(monkeypatch):
     """Fail the test if a sweep gets as far as starting or attaching to Ray."""
-    import pt_ray.service.tune as tune_mod
+    import pt_ray.tune as tune_mod
 
     def refuse(_cfg, min_cpus=0.0):
         raise AssertionError("Ray was started despite bad input")
@@ -314,7 +314,7 @@ def test_alpha_is_required():
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_sweep_that_cannot_fit_fails_before_any_trial(ray_cluster, tmp_path):
-    from pt_ray.service.tune import sweep
+    from pt_ray.tune import sweep
 
     with pytest.raises(ClusterTooSmallError, match="would fit one trial") as err:
         sweep(alphas=[0.5], overrides=["epochs=1", "data.num_samples=64",
@@ -326,7 +326,7 @@ def test_a_sweep_that_cannot_fit_fails_before_any_trial(ray_cluster, tmp_path):
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_small_sweep_on_tune(ray_cluster, tmp_path):
-    from pt_ray.service.tune import sweep
+    from pt_ray.tune import sweep
 
     out = tmp_path / "sweep"
     # cache.mode=on: the alpha trial caches, the baseline cannot; both read the same batches.

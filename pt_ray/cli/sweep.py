@@ -58,7 +58,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"pt-ray: error: {err}", file=sys.stderr)
         return 2
     setup_logging()
-    from pt_ray.service.tune import sweep  # imports Ray: only once the arguments are good
+    from pt_ray.tune import sweep  # imports Ray: only once the arguments are good
 
     try:
         result = sweep(args.config, alphas=alphas, grid=grid, overrides=args.overrides,

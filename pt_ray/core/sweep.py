@@ -1,6 +1,6 @@
 """Alpha sweeps, the pure part: which trials to run and how many fit the cluster at once.
 
-No torch, no Ray: :mod:`pt_ray.service.tune` runs the trials on Ray Tune, and
+No torch, no Ray: :mod:`pt_ray.tune` runs the trials on Ray Tune, and
 :mod:`pt_ray.reporting.sweep_report` turns what they report into the table, ``sweep.json`` and
 ``sweep.png``. Every trial is a whole pt-ray run on the same data and seed; each alpha run is
 compared with the no-freeze baseline run (``freeze.policy=none``) that shares its grid values.

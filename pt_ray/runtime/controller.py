@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from pt_ray.core.control import ControlState
+from pt_ray.control.state import ControlState
 from pt_ray.core.plan import CostTable, LayerCost, Plan
 from pt_ray.runtime.comm import Comm
 from pt_ray.reporting.summary import EpochRecord

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from pt_ray.core.config import RunConfig
-from pt_ray.core.control import cache_policy, decision_interval
+from pt_ray.control.state import cache_policy, decision_interval
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
 from pt_ray.runtime.faults import FaultSwitch, kill_self, stall
 from pt_ray.data.sampler import (

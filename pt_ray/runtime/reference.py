@@ -34,7 +34,7 @@ from pt_ray.data.base import Batch, DatasetSplits, set_epoch
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import accumulation_chunks, training_sampler
-from pt_ray.core.control import decision_interval, policy_for, start_pipeline_length
+from pt_ray.control.state import decision_interval, policy_for, start_pipeline_length
 from pt_ray.core.freeze import FreezeGuard, FreezePolicy
 from pt_ray.models.base import (
     ModelAdapter,

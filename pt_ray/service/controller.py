@@ -1,6 +1,6 @@
 """The run's controller as a named Ray actor: decides freezes and plans, keeps the timeline.
 
-A thin asynchronous shell around :class:`pt_ray.core.control.ControlState`: it adds the blocking
+A thin asynchronous shell around :class:`pt_ray.control.state.ControlState`: it adds the blocking
 ``plan_for`` every rank calls at a decision point (it returns once every rank's inputs are in, so
 all switch at the same step) and outlives worker restarts, because the driver owns it, not
 Ray Train's worker group.
@@ -30,7 +30,7 @@ import ray
 
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
-from pt_ray.core.control import ControlState, build_control_state
+from pt_ray.control.state import ControlState, build_control_state
 from pt_ray.costs.hwprofile import HardwareProfile
 from pt_ray.core.plan import CostTable, Plan
 from pt_ray.reporting.summary import EpochRecord

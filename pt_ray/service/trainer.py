@@ -27,7 +27,7 @@ from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pt_ray.core.config import RunConfig
-from pt_ray.core.control import cache_policy
+from pt_ray.control.state import cache_policy
 from pt_ray.core.devices import DeviceChoice, choose_devices
 from pt_ray.core.placement import ClusterView, demand_for
 from pt_ray.service.cache import cache_name, create_owners, object_store_report, owners_report
