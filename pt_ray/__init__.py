@@ -9,7 +9,7 @@ freed devices become more data-parallel replicas::
     result.timeline                                         # per-epoch layout and speed
     model = result.load_model()                             # plain timm / transformers model
 
-Names that pull in torch, timm or transformers load on first use.
+``sweep`` (Ray Tune) loads on first use.
 """
 
 from __future__ import annotations
@@ -19,49 +19,26 @@ from typing import Any
 
 from pt_ray.api import Result, default_config_path, fit, resolve_config
 from pt_ray.core.config import ConfigError, RunConfig, load_config
-from pt_ray.core.freeze import build_freeze_policy
-from pt_ray.core.partition import Partition, partition
-from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
-from pt_ray.reporting.summary import EpochRecord, RankMemory, ideal_speedup, read_summary
+from pt_ray.reporting.summary import EpochRecord, read_summary
 
+# What a user calls (a script, a notebook, a Ray job). Everything else is reached through its
+# module (pt_ray.runtime.reference.ReferenceTrainer, pt_ray.reporting.report.render_report, ...).
 __all__ = [
-    "ActivationStore",
     "ConfigError",
-    "CostTable",
     "EpochRecord",
-    "InMemoryStore",
-    "LayerCost",
-    "Partition",
-    "Plan",
-    "Planner",
-    "RankMemory",
-    "ReferenceTrainer",
     "Result",
-    "SweepResult",
     "RunConfig",
-    "build_adapter",
-    "build_dataset",
-    "build_freeze_policy",
+    "SweepResult",
     "default_config_path",
-    "export_run",
     "fit",
-    "ideal_speedup",
-    "load_checkpoint_layers",
     "load_config",
-    "partition",
     "read_summary",
     "resolve_config",
     "sweep",
 ]
 
+# Ray Tune's driver side: imported on first use, so `import pt_ray` does not load Ray.
 _LAZY = {
-    "ActivationStore": ("pt_ray.runtime.cache", "ActivationStore"),
-    "InMemoryStore": ("pt_ray.runtime.cache", "InMemoryStore"),
-    "ReferenceTrainer": ("pt_ray.runtime.reference", "ReferenceTrainer"),
-    "build_adapter": ("pt_ray.models.registry", "build_adapter"),
-    "build_dataset": ("pt_ray.data.registry", "build_dataset"),
-    "export_run": ("pt_ray.runtime.export", "export_run"),
-    "load_checkpoint_layers": ("pt_ray.runtime.checkpoint", "load_layers"),
     "SweepResult": ("pt_ray.tune", "SweepResult"),
     "sweep": ("pt_ray.tune", "sweep"),
 }
