@@ -181,7 +181,7 @@ class Result:
         run_dir: where ``config.yaml`` and ``summary.json`` were written, and the trained
             model in its library's own format (``model/``; :meth:`load_model` reads it).
         checkpoint: the latest checkpoint directory (Ray engine), loadable with
-            ``pt_ray.load_checkpoint_layers``; None for the reference engine.
+            ``pt_ray.runtime.checkpoint.load_layers``; None for the reference engine.
         decisions: every freeze decision with its numbers and reason (Ray engine).
         restarts: worker-group restarts from a checkpoint during the run.
         rollbacks: the accuracy guard's rollbacks (``freeze.rollback``): the epoch whose
