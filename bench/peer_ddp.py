@@ -69,8 +69,8 @@ def check_config(cfg: RunConfig) -> None:
     Raises:
         ValueError: naming the field, its value and the fix.
     """
-    if cfg.data.name == "squad_json":
-        raise ValueError("data.name=squad_json: the peer arm trains classifiers only (a "
+    if cfg.data.name in ("squad_json", "qa_table"):
+        raise ValueError(f"data.name={cfg.data.name}: the peer arm trains classifiers only (a "
                          "question-answering model's loss differs); run with --no-peer-arm")
     if cfg.batch_policy != "fixed_global":
         raise ValueError(f"batch_policy={cfg.batch_policy}: the peer arm keeps the global batch "

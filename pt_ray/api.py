@@ -222,6 +222,8 @@ def fit(
     output_dir: str | Path | None = None,
     on_epoch: Callable[[EpochRecord], None] | None = None,
     worker_env: dict[str, str] | None = None,
+    train_data: Any = None,
+    eval_data: Any = None,
 ) -> Result:
     """Train a model with AutoFreeze and write ``config.yaml``, ``summary.json`` and the
     trained model in its library's own format (``model/``, see :mod:`pt_ray.runtime.export`).
@@ -237,6 +239,11 @@ def fit(
         on_epoch: called with each epoch's record (default: log one line per epoch). On Ray
             the workers log each epoch as it ends and ``on_epoch`` sees the records at the end.
         worker_env: extra environment variables for Ray's training workers.
+        train_data, eval_data: the splits as a Ray Dataset, a pyarrow Table or a pandas
+            DataFrame, for a table dataset (``data.name`` ``text_table``, ``qa_table`` or
+            ``image_table``): written once into ``<run folder>/data`` as Parquet, which
+            ``data.path`` then names (see :mod:`pt_ray.service.datasets` for the sizes this
+            suits).
 
     Raises:
         ConfigError: before anything starts or is written: a bad value, an output folder that
@@ -252,8 +259,13 @@ def fit(
             :func:`pt_ray.runtime.resume.resume_point`), or ``config`` or ``output_dir`` was
             given too.
     """
+    in_memory = train_data is not None or eval_data is not None
+    if in_memory:  # data.path is set for real once the splits are written
+        overrides = [*overrides, "data.path=."]
     cfg, run_dir, resumed = _run_folder(config, resume_from, overrides, output_dir)
     check_output_dir(run_dir)
+    if in_memory:
+        cfg = _with_data(cfg, run_dir, train_data, eval_data)
     choice = _early_device_choice(cfg)
     built_from = time.perf_counter()
     splits, adapter = preflight(cfg)
@@ -305,6 +317,17 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
     return Result(cfg, timeline, run.metric_name, timeline[-1].eval_metric, wall, run_dir,
                   checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
                   restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))
+
+
+def _with_data(cfg: RunConfig, run_dir: Path, train_data: Any, eval_data: Any) -> RunConfig:
+    """Step 1b of :func:`fit`: in-memory splits written into the run folder, and the config
+    pointed at them."""
+    if cfg.data.name not in ("text_table", "qa_table", "image_table"):
+        raise ConfigError(f"train_data and eval_data are tables: set data.name to text_table, "
+                          f"qa_table or image_table (it is {cfg.data.name})")
+    from pt_ray.service.datasets import materialise
+
+    return resolve_config(cfg, materialise(run_dir, train_data, eval_data))
 
 
 def _run_folder(config: RunConfig | Mapping[str, Any] | str | Path | None,

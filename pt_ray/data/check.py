@@ -9,6 +9,7 @@ with ``data.skip_damaged: true``, trains without them and says how many it left 
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from pt_ray.core.config import ConfigError
 
-__all__ = ["damaged_images", "drop_damaged"]
+__all__ = ["damaged_images", "readable_images"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +26,12 @@ NAMED = 3
 """Damaged files an error message names (it counts the rest)."""
 
 
-def _damage(path: Path) -> str | None:
-    """Why ``path`` cannot be read as an image, or None when it can."""
+def _damage(source: Path | bytes) -> str | None:
+    """Why ``source`` (a file, or an image's bytes) cannot be read as an image, or None."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as img:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
             img.verify()
     except (OSError, SyntaxError, ValueError, UnidentifiedImageError,
             Image.DecompressionBombError) as err:
@@ -38,32 +39,37 @@ def _damage(path: Path) -> str | None:
     return None
 
 
-def damaged_images(files: Sequence[Path], threads: int | None = None) -> dict[Path, str]:
-    """The files among ``files`` that Pillow cannot verify, each with its reason, in order."""
+def damaged_images(sources: Sequence[Path | bytes], threads: int | None = None
+                   ) -> dict[int, str]:
+    """The positions of the images among ``sources`` (files or bytes) that Pillow cannot
+    verify, each with its reason, in order."""
     threads = threads or min(32, 4 * (os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        verdicts = list(pool.map(_damage, files))
-    return {f: why for f, why in zip(files, verdicts) if why is not None}
+        verdicts = list(pool.map(_damage, sources))
+    return {i: why for i, why in enumerate(verdicts) if why is not None}
 
 
-def drop_damaged(root: Path, files: list[Path], skip: bool) -> list[Path]:
-    """``files`` without the damaged ones when ``skip``; otherwise ``files`` when none is.
+def _name(source: Path | bytes, index: int) -> str:
+    return repr(str(source)) if isinstance(source, Path) else f"row {index}"
+
+
+def readable_images(root: Path, sources: Sequence[Path | bytes], skip: bool) -> list[int]:
+    """The positions of the readable images among ``sources``: all of them, or with ``skip``
+    those left once the damaged ones are out (counted and logged).
 
     Raises:
-        ConfigError: a file is damaged and ``skip`` is false (naming the first few and the
+        ConfigError: an image is damaged and ``skip`` is false (naming the first few and the
             count, and both fixes).
     """
-    damaged = damaged_images(files)
+    damaged = damaged_images(sources)
     if not damaged:
-        return files
-    names = list(damaged)
-    shown = ", ".join(f"{str(p)!r} ({damaged[p]})" for p in names[:NAMED])
-    more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
+        return list(range(len(sources)))
+    shown = ", ".join(f"{_name(sources[i], i)} ({why})" for i, why in list(damaged.items())[:NAMED])
+    more = f" and {len(damaged) - NAMED} more" if len(damaged) > NAMED else ""
     if not skip:
-        raise ConfigError(f"{len(names)} of {len(files)} images under {str(root)!r} cannot be "
-                          f"read: {shown}{more}; replace or remove them, or set "
+        raise ConfigError(f"{len(damaged)} of {len(sources)} images under {str(root)!r} cannot "
+                          f"be read: {shown}{more}; replace or remove them, or set "
                           f"data.skip_damaged=true to train without them")
     logger.warning("data.skip_damaged: leaving out %d of %d images under %s that cannot be read:"
-                   " %s%s", len(names), len(files), root, shown, more)
-    bad = set(names)
-    return [f for f in files if f not in bad]
+                   " %s%s", len(damaged), len(sources), root, shown, more)
+    return [i for i in range(len(sources)) if i not in damaged]

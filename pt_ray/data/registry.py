@@ -11,6 +11,7 @@ import numpy as np
 from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.data.base import DatasetSplits, SubsetDataset
 from pt_ray.data.synthetic import synthetic_image, synthetic_text
+from pt_ray.data.table_datasets import load_image_table, load_qa_table, load_text_table
 from pt_ray.data.text import load_glue_tsv, load_squad_json
 from pt_ray.data.vision import load_cifar, load_digits, load_imagefolder, load_mnist5k
 
@@ -97,10 +98,13 @@ DATASETS: dict[str, _Builder] = {
     "imagefolder": _imagefolder,
     "glue_tsv": _glue,
     "squad_json": _squad,
+    "text_table": lambda cfg, seed, tok: load_text_table(cfg, tok),
+    "qa_table": lambda cfg, seed, tok: load_qa_table(cfg, tok),
+    "image_table": lambda cfg, seed, tok: load_image_table(cfg, seed),
 }
 """Builder per ``data.name``: ``(cfg, seed, tokenizer_dir) -> DatasetSplits``."""
 
-_AUGMENTABLE = ("cifar10", "cifar100", "imagefolder")
+_AUGMENTABLE = ("cifar10", "cifar100", "imagefolder", "image_table")
 _GENERATED = ("synthetic_image", "synthetic_text")
 
 

@@ -19,7 +19,8 @@ from pt_ray.core.config import ConfigError, first_line
 from pt_ray.data.base import DatasetSplits, TensorSampleDataset
 from pt_ray.data.synthetic import TEXT_INPUTS
 
-__all__ = ["PAIR_COLUMNS", "load_glue_tsv", "load_squad_json", "load_tokenizer"]
+__all__ = ["PAIR_COLUMNS", "classification_dataset", "load_fast_tokenizer", "load_glue_tsv",
+           "load_squad_json", "load_tokenizer", "qa_dataset"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,46 @@ def _label_map(values: Sequence[str], path: Path) -> dict[str, int]:
     return {v: int(x) for v, x in numbers.items()}
 
 
+def classification_dataset(tokenizer: Any, first: list[str], second: list[str] | None,
+                           labels: list[int], seq_len: int) -> TensorSampleDataset:
+    """Single sentences (or pairs, with ``second``) tokenised to ``seq_len``, with their class
+    ids: the form every text classification source (GLUE TSV, a table) ends in."""
+    enc = _encode(tokenizer, first, second, seq_len, truncation=True)
+    return TensorSampleDataset(_inputs(enc), torch.tensor(labels, dtype=torch.int64),
+                               TEXT_INPUTS)
+
+
+def qa_dataset(tokenizer: Any, examples: list[tuple[str, str, int, int]], seq_len: int,
+               where: str) -> TensorSampleDataset:
+    """``(question, context, answer start char, answer end char)`` examples tokenised as pairs
+    (``truncation="only_second"``) with their answer spans in tokens (``(0, 0)``, the CLS
+    token, when the answer falls outside the window or there is none)."""
+    enc = _encode(tokenizer, [e[0] for e in examples], [e[1] for e in examples], seq_len,
+                  truncation="only_second", return_offsets_mapping=True)
+    target = torch.tensor(
+        [_span_target(enc, i, e[2], e[3]) for i, e in enumerate(examples)], dtype=torch.int64)
+    lost = int((target[:, 0] == 0).sum())
+    if lost:
+        logger.info("%s: %d of %d answers outside the %d-token window -> CLS", where, lost,
+                    len(examples), seq_len)
+    return TensorSampleDataset(_inputs(enc), target, TEXT_INPUTS)
+
+
+def load_fast_tokenizer(tokenizer_dir: str | Path | None) -> Any:
+    """:func:`load_tokenizer`, refusing a tokenizer without offset mappings (extractive QA).
+
+    Raises:
+        ConfigError: it does not load, or is not a fast (Rust) tokenizer.
+    """
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(
+            f"tokenizer in {str(tokenizer_dir)!r} is not a fast tokenizer; question answering "
+            "needs offset mappings, so provide a directory with tokenizer.json"
+        )
+    return tokenizer
+
+
 def load_glue_tsv(
     root: str | Path, tokenizer_dir: str | Path | None, *, seq_len: int = 128
 ) -> DatasetSplits:
@@ -176,15 +217,10 @@ def load_glue_tsv(
             raise ConfigError(
                 f"{str(path)!r} has labels {unknown[:5]} that never occur in {str(train_path)!r}"
             )
-        enc = _encode(
-            tokenizer,
-            [r[col[a]] for r in rows],
+        splits[split] = classification_dataset(
+            tokenizer, [r[col[a]] for r in rows],
             [r[col[b]] for r in rows] if b is not None else None,
-            seq_len,
-            truncation=True,
-        )
-        target = torch.tensor([mapping[v] for v in labels], dtype=torch.int64)
-        splits[split] = TensorSampleDataset(_inputs(enc), target, TEXT_INPUTS)
+            [mapping[v] for v in labels], seq_len)
     num_classes = max(max(mapping.values()) + 1, 2)
     logger.info("glue_tsv %s: %d train, %d dev, %d classes", root, len(splits["train"]),
                 len(splits["dev"]), num_classes)
@@ -268,34 +304,14 @@ def load_squad_json(
                 f"SQuAD file {str(p)!r} not found; set data.path to a folder holding train.json "
                 "and dev.json in SQuAD v1.1 format (rename train-v1.1.json, dev-v1.1.json)"
             )
-    tokenizer = load_tokenizer(tokenizer_dir)
-    if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(
-            f"tokenizer in {str(tokenizer_dir)!r} is not a fast tokenizer; SQuAD needs offset "
-            "mappings, so provide a directory with tokenizer.json"
-        )
+    tokenizer = load_fast_tokenizer(tokenizer_dir)
     splits = {}
     for split, path in paths.items():
         examples = _squad_examples(path)
         if not examples:
             raise ConfigError(f"{str(path)!r} holds no questions; give at least one in each "
                               "file")
-        enc = _encode(
-            tokenizer,
-            [e[0] for e in examples],
-            [e[1] for e in examples],
-            seq_len,
-            truncation="only_second",
-            return_offsets_mapping=True,
-        )
-        target = torch.tensor(
-            [_span_target(enc, i, e[2], e[3]) for i, e in enumerate(examples)], dtype=torch.int64
-        )
-        lost = int((target[:, 0] == 0).sum())
-        if lost:
-            logger.info("squad_json %s: %d of %d answers outside the %d-token window -> CLS",
-                        path, lost, len(examples), seq_len)
-        splits[split] = TensorSampleDataset(_inputs(enc), target, TEXT_INPUTS)
+        splits[split] = qa_dataset(tokenizer, examples, seq_len, f"squad_json {path}")
     return DatasetSplits(
         name="squad_json",
         task="question_answering",

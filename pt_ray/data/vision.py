@@ -9,6 +9,7 @@ normalised per channel; targets are int64 class ids.
 from __future__ import annotations
 
 import importlib.util
+import io
 import logging
 import math
 import pickle
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from pt_ray.core.config import PICKLE_ERRORS, ConfigError, first_line
 from pt_ray.data.base import Batch, DatasetSplits, TensorSampleDataset
-from pt_ray.data.check import drop_damaged
+from pt_ray.data.check import readable_images
 from pt_ray.data.transforms import (
     CIFAR10_STATS,
     CIFAR100_STATS,
@@ -101,20 +102,22 @@ class ImageArrayDataset(_TransformedImages):
 
 
 class ImageFileDataset(_TransformedImages):
-    """Image files read when a batch is gathered (for folders too large to hold in memory).
+    """Images read when a batch is gathered (for sets too large to hold decoded): files, or
+    each image's encoded bytes (a Parquet table's image column).
 
     Each image is converted to RGB, its shorter side resized to ``size`` and centre-cropped to
     ``size x size`` before ``transform`` applies augmentation and normalisation.
 
     Args:
-        files: image paths.
+        files: image paths, or each image's encoded bytes.
         labels: ``[N]`` int64 class ids.
         size: side of the stored square image in pixels.
         transform: stored uint8 images -> model inputs.
     """
 
     def __init__(
-        self, files: Sequence[Path], labels: torch.Tensor, size: int, transform: ImageTransform
+        self, files: Sequence[Path | bytes], labels: torch.Tensor, size: int,
+        transform: ImageTransform
     ) -> None:
         if len(files) != labels.shape[0]:
             raise ValueError(f"got {len(files)} files but {labels.shape[0]} labels")
@@ -129,7 +132,8 @@ class ImageFileDataset(_TransformedImages):
     def _read(self, index: int) -> torch.Tensor:
         from PIL import Image
 
-        with Image.open(self.files[index]) as img:
+        source = self.files[index]
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
             img = img.convert("RGB")
             w, h = img.size
             scale = self.size / min(w, h)
@@ -430,27 +434,36 @@ def load_imagefolder(
             f"{str(root / 'val')!r} has classes {unknown} with no training images under "
             f"{str(root / 'train')!r}; add them to train/ or remove them from val/"
         )
+    parts = {}
+    for part, split in (("train", "train"), ("eval", "val")):
+        files = [(f, i) for i, c in enumerate(classes) for f in splits[split].get(c, [])]
+        parts[part] = ([f for f, _ in files], [i for _, i in files])
+    return image_splits("imagefolder", root, parts, len(classes), image_size, augment, seed,
+                        skip_damaged)
+
+
+def image_splits(name: str, root: Path, parts: dict[str, tuple[list[Path | bytes], list[int]]],
+                 num_classes: int, image_size: int | None, augment: bool, seed: int,
+                 skip_damaged: bool) -> DatasetSplits:
+    """Train and eval splits of images read per batch, from ``parts`` (``"train"`` and
+    ``"eval"``: each image's file or bytes, and its class id), every image verified first
+    (:mod:`pt_ray.data.check`)."""
     size = image_size or 224
     mean, std = IMAGENET_STATS
-    readable = set(drop_damaged(root, [f for per in splits.values() for fs in per.values()
-                                       for f in fs], skip_damaged))
+    every = parts["train"][0] + parts["eval"][0]
+    readable = set(readable_images(root, every, skip_damaged))
+    offset = {"train": 0, "eval": len(parts["train"][0])}
 
-    def make(split: str, transform: ImageTransform) -> ImageFileDataset:
-        files = [(f, i) for i, c in enumerate(classes) for f in splits[split].get(c, [])
-                 if f in readable]
-        labels = torch.tensor([i for _, i in files], dtype=torch.int64)
-        return ImageFileDataset([f for f, _ in files], labels, size, transform)
+    def make(part: str, transform: ImageTransform) -> ImageFileDataset:
+        sources, labels = parts[part]
+        keep = [j for j in range(len(sources)) if offset[part] + j in readable]
+        return ImageFileDataset([sources[j] for j in keep],
+                                torch.tensor([labels[j] for j in keep], dtype=torch.int64),
+                                size, transform)
 
     train = make("train", ImageTransform(mean, std, augment=augment, seed=seed))
-    val = make("val", ImageTransform(mean, std))
-    logger.info("imagefolder %s: %d classes, %d train, %d eval", root, len(classes),
-                len(train), len(val))
-    return DatasetSplits(
-        name="imagefolder",
-        task="classification",
-        train=train,
-        eval=val,
-        num_classes=len(classes),
-        image_size=size,
-        in_chans=3,
-    )
+    val = make("eval", ImageTransform(mean, std))
+    logger.info("%s %s: %d classes, %d train, %d eval", name, root, num_classes, len(train),
+                len(val))
+    return DatasetSplits(name=name, task="classification", train=train, eval=val,
+                         num_classes=num_classes, image_size=size, in_chans=3)
