@@ -147,11 +147,13 @@ def _write_extras(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> Non
         logger.warning("run report not written: %s", err)
 
 
-def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str | None) -> None:
+def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str | None,
+                  summary: dict[str, Any]) -> None:
     """The trained model in its library's own format into ``run_dir/model`` (from the
-    reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint); a failure
-    is logged with the command that retries it, and never fails the finished run."""
-    from pt_ray.runtime.export import MODEL_DIR, export_adapter, export_checkpoint
+    reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint), with its
+    model card; a failure is logged with the command that retries it, and never fails the
+    finished run."""
+    from pt_ray.runtime.export import MODEL_DIR, export_adapter, export_checkpoint, write_card
 
     out = run_dir / MODEL_DIR
     try:
@@ -162,10 +164,11 @@ def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str |
         else:
             logger.warning("model not exported: the run left no checkpoint")
             return
+        write_card(out, summary)
     except Exception as err:  # hours of training must not end in a traceback here
         logger.warning("model not exported: %s; retry with `pt-ray export %s`", err, run_dir)
         return
-    logger.info("model exported to %s (see its README.txt)", out)
+    logger.info("model exported to %s (its README.md is the model card)", out)
 
 
 @dataclass(frozen=True)
@@ -313,7 +316,7 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
         extra=extra,
     )
     _write_extras(cfg, summary, run_dir)
-    _export_model(cfg, run_dir, run.trained, extra.get("checkpoint"))
+    _export_model(cfg, run_dir, run.trained, extra.get("checkpoint"), summary)
     return Result(cfg, timeline, run.metric_name, timeline[-1].eval_metric, wall, run_dir,
                   checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
                   restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))

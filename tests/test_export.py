@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 import torch
 from safetensors.torch import save_file
 
@@ -96,8 +97,17 @@ def score_without_pt_ray(folder: Path, data: Path, batch: int) -> dict[str, Any]
 def test_timm_export_scores_the_final_metric_with_timm_alone(tmp_path, capsys):
     result = train(tmp_path, VIT)
     folder = result.run_dir / "model"
-    assert sorted(p.name for p in folder.iterdir()) == ["README.txt", "config.json",
-                                                       "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "README.txt",
+                                                       "config.json", "model.safetensors"]
+    # The model card: Hugging Face's front matter, the final metric as the run measured it,
+    # and the lines that load the export.
+    card = (folder / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["library_name"] == "timm" and "image-classification" in front["tags"]
+    metric = front["model-index"][0]["results"][0]["metrics"][0]
+    assert metric["type"] == "accuracy"
+    assert metric["value"] == pytest.approx(result.final_eval_metric, abs=5e-5)
+    assert (folder / "README.txt").read_text().strip() in card
     # Above chance (10 classes), so a wrong or untrained export cannot match it.
     assert result.final_eval_metric > 0.2
     scored = score_without_pt_ray(folder, eval_file(result.config, tmp_path / "eval.st"), 32)
@@ -124,6 +134,7 @@ def test_timm_export_scores_the_final_metric_with_timm_alone(tmp_path, capsys):
     assert main(["export", str(result.run_dir), "--out", str(copy)]) == 0
     assert f"folder = {str(copy.resolve())!r}" in (copy / "README.txt").read_text()
     assert (copy / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    assert f"folder = {str(copy.resolve())!r}" in (copy / "README.md").read_text()
     assert f"model: {copy}" in capsys.readouterr().out
 
 

@@ -20,7 +20,8 @@ from pt_ray.models.base import ModelAdapter
 from pt_ray.models.export import README, export_model, folder_line
 from pt_ray.reporting.summary import read_summary
 
-__all__ = ["MODEL_DIR", "export_adapter", "export_checkpoint", "export_run", "find_checkpoint"]
+__all__ = ["MODEL_DIR", "export_adapter", "export_checkpoint", "export_run", "find_checkpoint",
+           "write_card"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             raise FileNotFoundError(
                 f"checkpoint {checkpoint} not found (neither there nor under {run_dir / 'ray'}): "
                 "copy the run folder with its ray/ subfolder")
-        return export_checkpoint(cfg, checkpoint, target)
+        return write_card(export_checkpoint(cfg, checkpoint, target), summary)
     existing = run_dir / MODEL_DIR
     if not (existing / "config.json").is_file():
         engine = summary.get("engine", cfg.engine)
@@ -130,4 +131,15 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if readme.is_file():
             readme.write_text(readme.read_text().replace(folder_line(existing),
                                                          folder_line(target)))
-    return target
+    return write_card(target, summary)
+
+
+def write_card(out: Path, summary: dict[str, Any]) -> Path:
+    """Write the export's model card (``README.md``, :mod:`pt_ray.reporting.card`) beside the
+    export in ``out``, from the run's summary; returns ``out``."""
+    from pt_ray.reporting.card import CARD, model_card
+    from pt_ray.reporting.files import write_text_atomically
+
+    load = (out / README).read_text() if (out / README).is_file() else ""
+    write_text_atomically(out / CARD, model_card(summary, load))
+    return out
