@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pt_ray.core.config import ConfigError, RunConfig, build_config, layer_config, load_config
-from pt_ray.reporting.summary import EpochRecord, format_epoch, write_summary
+from pt_ray.reporting.summary import EpochRecord, format_epoch, read_summary, write_summary
 from pt_ray.reporting.files import hold_run_folder, write_text_atomically
 
 if TYPE_CHECKING:
@@ -278,8 +278,27 @@ def fit(
     logger.info(cache_policy(cfg, splits.train.deterministic_transform).describe())
     # One live run per folder: a second one stops here, before it writes anything.
     with hold_run_folder(run_dir):
-        return _train(cfg, choice, run_dir, splits, adapter, built_from, preflight_s,
-                      worker_env, on_epoch, resumed)
+        from pt_ray.reporting.tracking import open_tracker
+
+        tracker = open_tracker(cfg, run_dir, str(resumed.checkpoint) if resumed else None)
+        try:
+            result = _train(cfg, choice, run_dir, splits, adapter, built_from, preflight_s,
+                            worker_env, on_epoch, resumed)
+        except BaseException:
+            if tracker is not None:
+                _quietly(tracker.fail, "MLflow run not marked failed")
+            raise
+        if tracker is not None:
+            _quietly(lambda: tracker.finish(read_summary(run_dir)), "MLflow run not logged")
+        return result
+
+
+def _quietly(action: Callable[[], None], what: str) -> None:
+    """Run ``action``; a failure is a warning (a tracker never fails a finished run)."""
+    try:
+        action()
+    except Exception as err:
+        logger.warning("%s: %s", what, err)
 
 
 def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: DatasetSplits,
@@ -388,11 +407,11 @@ def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter
     start(cfg)
     from pt_ray.runtime.reference import ReferenceTrainer
 
-    from pt_ray.reporting.steplog import StepReporter, StepWriter
+    from pt_ray.reporting.steplog import StepReporter, step_writers
 
-    # No Ray Train to report to: the step reports go to TensorBoard only, if on.
-    steps = (StepReporter(writer=StepWriter(run_dir / "tensorboard"))
-             if cfg.logging.tensorboard else None)
+    # No Ray Train to report to: the step reports go to TensorBoard and the journal, if on.
+    writer = step_writers(run_dir, cfg.logging.tensorboard, bool(cfg.logging.mlflow))
+    steps = StepReporter(writer=writer) if writer is not None else None
     # The preflight's dataset and model: built once, in the order the trainer builds them.
     trainer = ReferenceTrainer(cfg, splits=splits, adapter=adapter, on_step_report=steps)
     metric_name = trainer.adapter.metric_name

@@ -25,7 +25,9 @@ from ray import tune
 
 from pt_ray.core.config import ConfigError, RunConfig
 from pt_ray.core.devices import choose_devices
+from pt_ray.api import resolve_config
 from pt_ray.reporting.logs import setup_logging
+from pt_ray.reporting.tracking import open_sweep_run
 from pt_ray.service.trainer import ensure_ray
 from pt_ray.reporting.summary import ideal_speedup
 from pt_ray.core.sweep import (
@@ -141,6 +143,11 @@ def sweep(
                     ", ".join(v.name for v in variants), sweep_dir, k, why)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         (sweep_dir / _SPEC).write_text(json.dumps(_spec(variants, configs), indent=2))
+        # With logging.mlflow: one parent run, each trial a child in the same store.
+        parent = open_sweep_run(base, sweep_dir)
+        if parent is not None:
+            configs = {name: resolve_config(c, parent[1]).model_dump(mode="json")
+                       for name, c in configs.items()}
         load_before = os.getloadavg()
         t0 = time.perf_counter()
         results = _run_tune(sweep_dir, exp_dir, variants, configs, base, k, restoring,
@@ -171,6 +178,8 @@ def sweep(
     except Exception as err:  # a plot must not fail a finished sweep
         logger.warning("sweep.png not written: %s", err)
     logger.info("%s", table)
+    if parent is not None:
+        parent[0].finish_sweep()
     unfinished = [r.name for r in rows if r.status != "ok"]
     if unfinished:
         logger.warning("%d trials did not finish (%s); continue with --resume (Tune restores "
@@ -184,8 +193,6 @@ def sweep(
 def _plan(config, alphas, grid, overrides, baseline
           ) -> tuple[list[Variant], RunConfig, dict[str, dict[str, Any]]]:
     """The trials and each one's validated config (as JSON-able dicts)."""
-    from pt_ray.api import resolve_config
-
     base = resolve_config(config, overrides)
     if base.freeze.policy == "none":
         raise ConfigError("freeze.policy=none in the base config: an alpha sweep needs a "

@@ -331,7 +331,8 @@ def test_small_sweep_on_tune(ray_cluster, tmp_path):
     out = tmp_path / "sweep"
     # cache.mode=on: the alpha trial caches, the baseline cannot; both read the same batches.
     result = sweep(alphas=[0.5], overrides=["epochs=2", "data.num_samples=256", "engine=ray",
-                                            "pipeline.num_workers=2", "cache.mode=on"],
+                                            "pipeline.num_workers=2", "cache.mode=on",
+                                            "logging.mlflow=true"],
                    output_dir=out)
     assert result.ok and result.concurrency == 1  # 4 CPUs / 2.05 per trial
     for name in ("sweep.json", "sweep.png", "sweep.txt"):
@@ -357,6 +358,22 @@ def test_small_sweep_on_tune(ray_cluster, tmp_path):
     assert data["pareto"] and set(data["pareto"]) <= set(trials)
     table = (out / "sweep.txt").read_text()
     assert "alpha-0.5" in table and "baseline" in table and result.table in table
+
+    # MLflow: one parent run for the sweep, one child per trial, in the sweep folder's store.
+    from mlflow.tracking import MlflowClient
+
+    parent = json.loads((out / "mlflow.json").read_text())
+    client = MlflowClient(parent["tracking_uri"])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    by_id = {r.info.run_id: r for r in runs}
+    assert by_id[parent["run_id"]].info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent["run_id"]]
+    assert sorted(r.info.run_name for r in children) == sorted(
+        json.loads((out / n / "summary.json").read_text())["config"]["name"] for n in trials)
+    assert all(r.info.status == "FINISHED" and "eval_metric" in r.data.metrics
+               for r in children)
+    assert len(runs) == 3
+    assert "sweep.json" in {a.path for a in client.list_artifacts(parent["run_id"])}
 
 
 # -- the job entry points (no processes) ---------------------------------------------------------

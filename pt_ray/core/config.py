@@ -439,6 +439,17 @@ class LoggingConfig(_Section):
     Ray Train could not collect it without making training wait: see
     :class:`pt_ray.reporting.steplog.StepReporter`). Costs one host read of the loss and one
     all-reduce of two numbers per report; 0: off."""
+    mlflow: bool | str = False
+    """Track the run in MLflow: ``true`` (or ``local``) for a SQLite store in
+    ``<run folder>/mlflow``, or a tracking URI (``http://host:5000``, ``sqlite:///path.db``,
+    ``databricks``). The run logs its resolved config as parameters, every epoch's and every
+    ``every_steps`` step's metrics, the freeze timeline, ``report.png`` and the exported model;
+    a restart or a resume continues the same MLflow run and records it (docs/mlflow.md). Needs
+    ``pip install 'pt-ray[mlflow]'``."""
+    mlflow_experiment: str = Field(default="pt-ray", min_length=1)
+    """The MLflow experiment the run goes into."""
+    mlflow_parent: str | None = None
+    """The MLflow run a trial nests under (``pt_ray.sweep`` sets it: one child per trial)."""
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     """Per-epoch progress on rank 0: ``bar`` redraws in place, ``lines`` writes a line per
     quarter of a long epoch, ``auto``: a bar on a terminal, lines elsewhere; ``off``: none."""

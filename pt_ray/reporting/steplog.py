@@ -22,6 +22,7 @@ run.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -32,7 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STEP_TAGS", "StepRecord", "StepReporter", "StepWindow", "StepWriter"]
+__all__ = ["STEP_JOURNAL", "STEP_TAGS", "StepJournal", "StepRecord", "StepReporter", "StepWindow",
+           "StepWriter", "StepWriters", "step_writers"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,59 @@ class StepWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class StepJournal:
+    """The step reports as JSON lines in ``path`` (``<run folder>/steps.jsonl``), appended and
+    flushed one by one, across restarts and resumes: what a tracker (MLflow) reads when the run
+    ends. Same interface as :class:`StepWriter`.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self.logdir = self.path.parent
+        self._file = None
+
+    def write(self, rec: StepRecord) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")
+        self._file.write(json.dumps({"time": time.time(), **asdict(rec)}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class StepWriters:
+    """Several writers as one (each record to every writer, in order)."""
+
+    def __init__(self, writers: list[Any]) -> None:
+        self.writers = writers
+        self.logdir = writers[0].logdir
+
+    def write(self, rec: StepRecord) -> None:
+        for writer in self.writers:
+            writer.write(rec)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def step_writers(run_dir: str | Path, tensorboard: bool, journal: bool) -> Any | None:
+    """The writers of a run's step reports: TensorBoard's live scalars, the JSON-lines
+    journal, both or none."""
+    writers = ([StepWriter(Path(run_dir) / "tensorboard")] if tensorboard else []) + (
+        [StepJournal(Path(run_dir) / STEP_JOURNAL)] if journal else [])
+    if not writers:
+        return None
+    return writers[0] if len(writers) == 1 else StepWriters(writers)
+
+
+STEP_JOURNAL = "steps.jsonl"
 
 
 class StepReporter:

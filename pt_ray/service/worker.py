@@ -41,7 +41,7 @@ from pt_ray.runtime.build import build_model_for
 from pt_ray.service.cache import RayStore
 from pt_ray.service.controller import RayController
 from pt_ray.reporting.progress import RunProgress
-from pt_ray.reporting.steplog import StepReporter, StepWriter
+from pt_ray.reporting.steplog import StepReporter, step_writers
 from pt_ray.reporting.summary import format_epoch
 
 __all__ = ["quiet_ray_train", "train_loop_per_worker"]
@@ -127,11 +127,10 @@ def _step_reporter(cfg: RunConfig, rank: int, run_dir: str | None,
     for the controller's poll and its barrier costs little; and with ``logging.tensorboard``
     every record as live scalars from rank 0 into ``<run_dir>/tensorboard``. ``report``
     stands in for Ray Train's in tests."""
-    live = rank == 0 and cfg.logging.tensorboard and run_dir is not None
+    writer = (step_writers(run_dir, cfg.logging.tensorboard, bool(cfg.logging.mlflow))
+              if rank == 0 and run_dir is not None else None)
     poll_s = float(os.environ.get(_POLL_ENV, _POLL_DEFAULT_S))
-    return StepReporter(report or ray.train.report,
-                        StepWriter(Path(run_dir) / "tensorboard") if live else None,
-                        min_gap_s=max(1.5 * poll_s, 1.0))
+    return StepReporter(report or ray.train.report, writer, min_gap_s=max(1.5 * poll_s, 1.0))
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
