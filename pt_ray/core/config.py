@@ -522,6 +522,13 @@ class RunConfig(_Section):
                     f"freeze.max_frozen={self.freeze.max_frozen} exceeds model.depth="
                     f"{self.model.depth}; choose at most {self.model.depth}"
                 )
+        self._batch_rules()
+        self._data_rules()
+        return self
+
+    def _batch_rules(self) -> None:
+        """The batch divides into what every plan may split it into: accumulation chunks,
+        up to N replicas, and M micro-batches of a pipeline's share."""
         b, a = self.data.batch_size, self.optimizer.accumulation_steps
         if self.batch_policy == "per_replica" and b % a:
             raise ValueError(
@@ -529,36 +536,40 @@ class RunConfig(_Section):
                 f"a step runs {a} equal chunks, so choose a batch_size that is a multiple of {a} "
                 f"or accumulation_steps among {_divisors(b)}"
             )
-        if self.batch_policy == "fixed_global":
-            k = self.pipeline.pipeline_length
-            n = self.pipeline.num_workers
-            if b % n:
-                # Any plan may reach R = N replicas (K = 1), each taking B / R samples.
+        if self.batch_policy != "fixed_global":
+            return
+        k = self.pipeline.pipeline_length
+        n = self.pipeline.num_workers
+        if b % n:
+            # Any plan may reach R = N replicas (K = 1), each taking B / R samples.
+            raise ValueError(
+                f"data.batch_size={b} is not divisible by "
+                f"pipeline.num_workers={n}; with batch_policy=fixed_global every replica "
+                f"takes an equal share, so choose a multiple of {n}"
+            )
+        if b % (n * a):
+            # Every chunk too: each of up to N replicas takes B / (A R) of it.
+            raise ValueError(
+                f"data.batch_size={b} is not divisible by pipeline.num_workers={n} x "
+                f"optimizer.accumulation_steps={a} = {n * a}; with batch_policy=fixed_global "
+                f"each of a step's {a} chunks is shared equally by up to {n} replicas, so "
+                f"choose a batch_size that is a multiple of {n * a} or accumulation_steps "
+                f"among {_divisors(b // n)}"
+            )
+        m = self.pipeline.num_microbatches
+        if isinstance(k, int) and k > 1 and isinstance(m, int):
+            share = b // (n // k) // a
+            if share % m:
+                chunk = "" if a == 1 else (
+                    f" of one chunk (data.batch_size={b} / {n // k} replicas / "
+                    f"optimizer.accumulation_steps={a})")
                 raise ValueError(
-                    f"data.batch_size={b} is not divisible by "
-                    f"pipeline.num_workers={n}; with batch_policy=fixed_global every replica "
-                    f"takes an equal share, so choose a multiple of {n}"
+                    f"pipeline.num_microbatches={m} does not divide the per-replica batch"
+                    f"{chunk} {share}; choose a divisor of {share}"
                 )
-            if b % (n * a):
-                # Every chunk too: each of up to N replicas takes B / (A R) of it.
-                raise ValueError(
-                    f"data.batch_size={b} is not divisible by pipeline.num_workers={n} x "
-                    f"optimizer.accumulation_steps={a} = {n * a}; with batch_policy=fixed_global "
-                    f"each of a step's {a} chunks is shared equally by up to {n} replicas, so "
-                    f"choose a batch_size that is a multiple of {n * a} or accumulation_steps "
-                    f"among {_divisors(b // n)}"
-                )
-            m = self.pipeline.num_microbatches
-            if isinstance(k, int) and k > 1 and isinstance(m, int):
-                share = b // (n // k) // a
-                if share % m:
-                    chunk = "" if a == 1 else (
-                        f" of one chunk (data.batch_size={b} / {n // k} replicas / "
-                        f"optimizer.accumulation_steps={a})")
-                    raise ValueError(
-                        f"pipeline.num_microbatches={m} does not divide the per-replica batch"
-                        f"{chunk} {share}; choose a divisor of {share}"
-                    )
+
+    def _data_rules(self) -> None:
+        """Files where the dataset reads files, and a model of the data's kind."""
         if self.data.name in ("cifar10", "cifar100", "imagefolder", "glue_tsv", "squad_json",
                               "text_table", "qa_table", "image_table"):
             if self.data.path is None:
@@ -578,7 +589,6 @@ class RunConfig(_Section):
                 f"set data.name to one of {', '.join(TEXT_DATASETS)} (with data.path for files), "
                 "or model.family=timm"
             )
-        return self
 
     def evaluates_after(self, epoch: int) -> bool:
         """Whether epoch ``epoch`` (0-based) ends with an evaluation: every ``eval_every``
