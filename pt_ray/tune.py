@@ -143,11 +143,7 @@ def sweep(
                     ", ".join(v.name for v in variants), sweep_dir, k, why)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         (sweep_dir / _SPEC).write_text(json.dumps(_spec(variants, configs), indent=2))
-        # With logging.mlflow: one parent run, each trial a child in the same store.
-        parent = open_sweep_run(base, sweep_dir)
-        if parent is not None:
-            configs = {name: resolve_config(c, parent[1]).model_dump(mode="json")
-                       for name, c in configs.items()}
+        parent, configs = _nest_in_mlflow(base, sweep_dir, configs)
         load_before = os.getloadavg()
         t0 = time.perf_counter()
         results = _run_tune(sweep_dir, exp_dir, variants, configs, base, k, restoring,
@@ -179,7 +175,7 @@ def sweep(
         logger.warning("sweep.png not written: %s", err)
     logger.info("%s", table)
     if parent is not None:
-        parent[0].finish_sweep()
+        parent.finish_sweep()
     unfinished = [r.name for r in rows if r.status != "ok"]
     if unfinished:
         logger.warning("%d trials did not finish (%s); continue with --resume (Tune restores "
@@ -206,6 +202,17 @@ def _plan(config, alphas, grid, overrides, baseline
             raise ConfigError(f"trial {v.label}: {err}") from None
         configs[v.name] = cfg.model_dump(mode="json")
     return variants, base, configs
+
+
+def _nest_in_mlflow(base: RunConfig, sweep_dir: Path, configs: dict[str, dict[str, Any]]):
+    """With ``logging.mlflow``: the sweep's parent run, and the trials' configs pointed at its
+    store as its children (after the spec is written, so a resumed sweep still matches it)."""
+    parent = open_sweep_run(base, sweep_dir)
+    if parent is None:
+        return None, configs
+    tracker, overrides = parent
+    return tracker, {name: resolve_config(c, overrides).model_dump(mode="json")
+                     for name, c in configs.items()}
 
 
 def _spec(variants: Sequence[Variant], configs: Mapping[str, Any]) -> dict[str, Any]:

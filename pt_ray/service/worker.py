@@ -133,6 +133,56 @@ def _step_reporter(cfg: RunConfig, rank: int, run_dir: str | None,
     return StepReporter(report or ray.train.report, writer, min_gap_s=max(1.5 * poll_s, 1.0))
 
 
+def _start_or_restore(worker: ElasticWorker, controller: RayController,
+                      resume_from: str | None, rank: int, world: int) -> int:
+    """Enter the first plan: from Ray Train's latest checkpoint of this run (a restart after a
+    failure), else from the stopped run's checkpoint this run continues (``--resume``), else
+    from the start. Returns the first epoch to train."""
+    checkpoint = ray.train.get_checkpoint()
+    restart = checkpoint is not None
+    if checkpoint is None and resume_from:
+        checkpoint = ray.train.Checkpoint.from_directory(resume_from)
+    if checkpoint is None:
+        worker.start()
+        return 0
+    with checkpoint.as_directory() as directory:
+        # The same on every rank: a damaged checkpoint gives way to the one before it.
+        directory = usable_checkpoint(Path(directory))
+        meta = read_meta(directory)
+        if rank == 0:
+            controller.resume(meta["controller"], meta["next_decision"], restart)
+        worker.comm.barrier()
+        plan = controller.plan_for(meta["next_decision"])
+        first_epoch = worker.restore(directory, plan)
+    if rank == 0:
+        logger.info("resumed after epoch %d on %d workers: %s", first_epoch - 1, world,
+                    plan.describe())
+    return first_epoch
+
+
+def _report_with_checkpoint(worker: ElasticWorker, controller: RayController, rank: int,
+                            epoch: int, metrics: dict[str, Any]) -> None:
+    """The epoch's report with a checkpoint: every rank's shard, and rank 0's metadata with
+    the controller's state once the next decision is made; ``epoch`` is the one it resumes at.
+    Ray Train copies the folder into the run's storage in the background and then deletes it,
+    while the next epoch trains (a barrier still names it on every rank)."""
+    nxt = worker.resume_decision()
+    tmp = Path(tempfile.mkdtemp(prefix="pt-ray-checkpoint-"))
+    try:
+        if rank == 0:  # answered once every rank's norms are in: the decision is made
+            controller.send_checkpoint_state(nxt)
+        worker.save_shard(tmp)
+        if rank == 0:
+            # The state saved is the one epoch `epoch` starts from.
+            write_meta(tmp, {**worker.checkpoint_meta(epoch - 1), "next_decision": nxt,
+                             "controller": controller.checkpoint_state(nxt)})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                     checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
@@ -179,28 +229,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                            device=device, on_step=on_step, store=store, on_step_report=steps,
                            fault=fault)
 
-    first_epoch = 0
-    # Ray Train's latest checkpoint of this run (a restart after a failure), else the stopped
-    # run's checkpoint this run continues (`pt-ray train --resume`).
-    checkpoint = ray.train.get_checkpoint()
-    restart = checkpoint is not None
-    if checkpoint is None and config.get("resume_from"):
-        checkpoint = ray.train.Checkpoint.from_directory(config["resume_from"])
-    if checkpoint is None:
-        worker.start()
-    else:
-        with checkpoint.as_directory() as directory:
-            # The same on every rank: a damaged checkpoint gives way to the one before it.
-            directory = usable_checkpoint(Path(directory))
-            meta = read_meta(directory)
-            if rank == 0:
-                controller.resume(meta["controller"], meta["next_decision"], restart)
-            worker.comm.barrier()
-            plan = controller.plan_for(meta["next_decision"])
-            first_epoch = worker.restore(directory, plan)
-        if rank == 0:
-            logger.info("resumed after epoch %d on %d workers: %s", first_epoch - 1, world,
-                        plan.describe())
+    first_epoch = _start_or_restore(worker, controller, config.get("resume_from"), rank, world)
     if rank == 0:
         # Where this worker's start-up went (the driver adds the worker group's start).
         controller.startup({"entered_at": entered, "dataset_s": built_data - entered,
@@ -218,23 +247,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if not cfg.checkpoints_after(rec.epoch):
             ray.train.report(metrics)  # a barrier too: every rank reports
             continue
-        nxt = worker.resume_decision()
-        # Ray Train copies the folder into the run's storage in the background and then
-        # deletes it, while the next epoch trains (a barrier still names it on every rank).
-        tmp = Path(tempfile.mkdtemp(prefix="pt-ray-checkpoint-"))
-        try:
-            if rank == 0:  # answered once every rank's norms are in: the decision is made
-                controller.send_checkpoint_state(nxt)
-            worker.save_shard(tmp)
-            if rank == 0:
-                # The state saved is the one epoch `epoch` starts from.
-                write_meta(tmp, {**worker.checkpoint_meta(epoch - 1), "next_decision": nxt,
-                                 "controller": controller.checkpoint_state(nxt)})
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+        _report_with_checkpoint(worker, controller, rank, epoch, metrics)
     if at_step is not None:
         at_step(cfg.epochs, 0)  # epoch `epochs`: after every call the workers make
     steps.close()
