@@ -402,100 +402,117 @@ def render_report(summary: SummaryLike, out_png: str | Path,
         f"train {train_time_s(tl):.1f} s, final {metric} {_fmt(s.get('final_eval_metric'), '.4f')}"
         f", ideal bound {(bound_cached or bound):.2f}x\n{_describe(s)}", fontsize=11)
 
-    # 1. Frozen blocks.
-    frozen = [r["num_frozen"] for r in tl]
-    # Each epoch's layout spans [e - 0.5, e + 0.5]: stairs with explicit edges.
-    edges = [x[0] - 0.5, *(e + 0.5 for e in x)]
-    ax_f.stairs(frozen, edges, fill=True, color="tab:blue", alpha=0.15)
-    ax_f.stairs(frozen, edges, baseline=None, color="tab:blue", lw=2,
-                label="frozen blocks")
-    ax_f.axhline(L, color="gray", lw=1, ls=":", label=f"L = {L} blocks")
-    for r in s.get("rollbacks") or []:
-        ax_f.axvline(r["rollback_to"] + 0.5, color="tab:red", lw=1.5,
-                     label=f"rollback (epoch {r['epoch'] + 1} -> {r['rollback_to'] + 1})")
-    ax_f.set_ylim(-0.2, L + 0.5)
-    ax_f.set_ylabel("frozen blocks")
-    ax_f.legend(loc="upper left", fontsize=8)
+    edges = [x[0] - 0.5, *(e + 0.5 for e in x)]  # each epoch's layout spans [e - .5, e + .5]
+    _frozen_panel(ax_f, tl, edges, L, s.get("rollbacks") or [])
+    top = _layout_panel(ax_kr, tl, edges, MaxNLocator)
+    _throughput_panel(ax_t, tl, x, base, cached)
+    _loss_panel(ax_l, tl, x, metric, MaxNLocator)
+    _marks((ax_f, ax_kr, ax_t, ax_l), tl, trans, cached, L, top)
 
-    # 2. Pipeline length K and replicas R.
+    out = Path(out_png).expanduser()
+    with replaced_atomically(out) as tmp:
+        fig.savefig(tmp, dpi=dpi)
+    return out
+
+
+def _frozen_panel(ax, tl: list[dict], edges: list[float], L: int, rollbacks: list[dict]) -> None:
+    """Panel 1: frozen blocks per epoch, the depth L, and any rollback."""
+    frozen = [r["num_frozen"] for r in tl]
+    ax.stairs(frozen, edges, fill=True, color="tab:blue", alpha=0.15)
+    ax.stairs(frozen, edges, baseline=None, color="tab:blue", lw=2, label="frozen blocks")
+    ax.axhline(L, color="gray", lw=1, ls=":", label=f"L = {L} blocks")
+    for r in rollbacks:
+        ax.axvline(r["rollback_to"] + 0.5, color="tab:red", lw=1.5,
+                   label=f"rollback (epoch {r['epoch'] + 1} -> {r['rollback_to'] + 1})")
+    ax.set_ylim(-0.2, L + 0.5)
+    ax.set_ylabel("frozen blocks")
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def _layout_panel(ax, tl: list[dict], edges: list[float], locator: Any) -> int:
+    """Panel 2: pipeline length K and replicas R; returns the panel's top value."""
     ks = [r["pipeline_length"] for r in tl]
     rs = [r["num_replicas"] for r in tl]
     # K wide and pale under a thin dashed R, so both show where they are equal.
-    ax_kr.stairs(ks, edges, baseline=None, color="tab:purple", lw=5, alpha=0.45,
-                 label="pipeline length K")
-    ax_kr.stairs(rs, edges, baseline=None, color="tab:orange", lw=2, ls="--",
-                 label="replicas R")
+    ax.stairs(ks, edges, baseline=None, color="tab:purple", lw=5, alpha=0.45,
+              label="pipeline length K")
+    ax.stairs(rs, edges, baseline=None, color="tab:orange", lw=2, ls="--", label="replicas R")
     top = max(ks + rs)
-    ax_kr.set_ylim(0, top + 1)
-    ax_kr.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_kr.set_ylabel("K, R")
-    ax_kr.legend(loc="upper left", fontsize=8)
+    ax.set_ylim(0, top + 1)
+    ax.yaxis.set_major_locator(locator(integer=True))
+    ax.set_ylabel("K, R")
+    ax.legend(loc="upper left", fontsize=8)
+    return top
 
-    # 3. Throughput, and the cache hit rate where the cache served.
-    ax_t.plot(x, [_num(r["throughput_samples_per_s"]) for r in tl], "o-", color="tab:green",
-              ms=4, label="throughput")
+
+def _throughput_panel(ax, tl: list[dict], x: list[int], base: dict | None,
+                      cached: list[int]) -> None:
+    """Panel 3: throughput (a baseline's dashed), and the cache hit rate where it served."""
+    ax.plot(x, [_num(r["throughput_samples_per_s"]) for r in tl], "o-", color="tab:green",
+            ms=4, label="throughput")
     if base is not None:
         bx = [r["epoch"] + 1 for r in base["timeline"]]
-        ax_t.plot(bx, [_num(r["throughput_samples_per_s"]) for r in base["timeline"]], "--",
-                  color="gray", label="baseline throughput")
-    ax_t.set_ylabel("samples/s")
-    ax_t.set_ylim(bottom=0)
-    handles, labels = ax_t.get_legend_handles_labels()
+        ax.plot(bx, [_num(r["throughput_samples_per_s"]) for r in base["timeline"]], "--",
+                color="gray", label="baseline throughput")
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    handles, labels = ax.get_legend_handles_labels()
     if cached:
-        ax_c = ax_t.twinx()
+        ax_c = ax.twinx()
         ax_c.bar(x, [100 * r.get("cache_hit_rate", 0.0) for r in tl], width=0.6,
                  color="tab:cyan", alpha=0.35, label="cache hit rate")
         ax_c.set_ylim(0, 105)
         ax_c.set_ylabel("cache hit rate (%)")
-        ax_t.set_zorder(ax_c.get_zorder() + 1)  # the line over the bars
-        ax_t.patch.set_visible(False)
+        ax.set_zorder(ax_c.get_zorder() + 1)  # the line over the bars
+        ax.patch.set_visible(False)
         h, lab = ax_c.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
-    ax_t.legend(handles, labels, loc="upper left", fontsize=8)
+    ax.legend(handles, labels, loc="upper left", fontsize=8)
 
-    # 4. Training loss (log scale when it spans decades) and the eval metric.
+
+def _loss_panel(ax, tl: list[dict], x: list[int], metric: str, locator: Any) -> None:
+    """Panel 4: training loss (log scale when it spans decades) and the eval metric."""
     losses = [_num(r.get("train_loss")) for r in tl]
-    ax_l.plot(x, losses, "o-", color="tab:red", ms=4, label="train loss")
+    ax.plot(x, losses, "o-", color="tab:red", ms=4, label="train loss")
     finite = [v for v in losses if not math.isnan(v)]
     if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
-        ax_l.set_yscale("log")
-    ax_l.set_ylabel("train loss")
-    ax_m = ax_l.twinx()
+        ax.set_yscale("log")
+    ax.set_ylabel("train loss")
+    ax_m = ax.twinx()
     ax_m.plot(x, [_num(r.get("eval_metric")) for r in tl], "s-", color="tab:blue", ms=4,
               label=f"eval {metric}")
     ax_m.set_ylabel(f"eval {metric}")
-    h1, l1 = ax_l.get_legend_handles_labels()
+    h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax_m.get_legend_handles_labels()
-    ax_l.legend(h1 + h2, l1 + l2, loc="center right", fontsize=8)
-    ax_l.set_xlabel("epoch")
-    ax_l.set_xlim(0.5, len(x) + 0.5)
-    ax_l.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(h1 + h2, l1 + l2, loc="center right", fontsize=8)
+    ax.set_xlabel("epoch")
+    ax.set_xlim(0.5, len(x) + 0.5)
+    ax.xaxis.set_major_locator(locator(integer=True))
 
-    # Transitions and cache epochs on every panel.
+
+def _marks(axes: tuple, tl: list[dict], trans: list, cached: list[int], L: int,
+           top: int) -> None:
+    """Transitions, cache epochs and where the cache turned on, on every panel."""
+    ax_f, ax_kr = axes[0], axes[1]
     for t in trans:
-        for ax in (ax_f, ax_kr, ax_t, ax_l):
+        for ax in axes:
             ax.axvline(t.epoch + 0.5, color="black", ls="--", lw=0.9, alpha=0.6)
         ax_f.annotate(t.label("→"), xy=(t.epoch + 0.5, L + 0.5), xytext=(3, -3),
                       textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7,
                       bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
     for e in cached:
-        for ax in (ax_f, ax_kr, ax_t, ax_l):
+        for ax in axes:
             ax.axvspan(e + 0.5, e + 1.5, color="tab:cyan", alpha=0.08, lw=0)
     active = [r["epoch"] for r in tl if _cache_active(r)]
     if active:
         # Where the cache turned on (it fills first, then serves: the shaded epochs).
         first = active[0]
-        for ax in (ax_f, ax_kr, ax_t, ax_l):
+        for ax in axes:
             ax.axvline(first + 0.5, color="tab:cyan", ls=":", lw=1.5)
         ax_kr.annotate("cache on", xy=(first + 0.5, top + 0.9), xytext=(3, -3),
                        textcoords="offset points", va="top", fontsize=8, color="tab:cyan")
     if trans:
         ax_f.plot([], [], color="black", ls="--", lw=0.9, label="transition")
         ax_f.legend(loc="upper left", fontsize=8)
-    for ax in (ax_f, ax_kr, ax_t, ax_l):
+    for ax in axes:
         ax.grid(axis="y", alpha=0.3)
-
-    out = Path(out_png).expanduser()
-    with replaced_atomically(out) as tmp:
-        fig.savefig(tmp, dpi=dpi)
-    return out
