@@ -53,7 +53,8 @@ def write_text_atomically(path: str | Path, text: str) -> Path:
 
 @contextmanager
 def hold_run_folder(run_dir: str | Path) -> Iterator[None]:
-    """Hold ``run_dir`` for this run (creating it) until the block ends.
+    """Hold ``run_dir`` for this run (creating it) until the block ends; a folder it created
+    that holds nothing but the lock at the end is removed.
 
     Raises:
         RunFolderBusy: another live process holds it (naming its pid, host and start).
@@ -61,6 +62,7 @@ def hold_run_folder(run_dir: str | Path) -> Iterator[None]:
     import fcntl
 
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     with open(path, "a+") as handle:
@@ -81,6 +83,11 @@ def hold_run_folder(run_dir: str | Path) -> Iterator[None]:
         finally:
             handle.seek(0)
             handle.truncate()
+            # A run that stopped before writing anything (a check that needed the cluster)
+            # leaves no folder behind, as the checks before it do.
+            if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+                path.unlink()
+                run_dir.rmdir()
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
