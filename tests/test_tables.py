@@ -80,21 +80,33 @@ def test_text_table_gives_the_samples_glue_tsv_gives(tmp_path, fmt):
     same_samples(table.eval, glue.eval)
 
 
+BERT = {"family": "hf", "name": "bert", "depth": 2, "width": 32, "num_heads": 2,
+        "mlp_ratio": 2.0}
+
+
+def trained(tmp_path, name: str, model: dict, data: dict):
+    """A 2-epoch reference run (one process) of ``model`` on ``data``."""
+    return fit({"name": name, "engine": "reference", "epochs": 2, "model": model, "data": data,
+                "logging": {"report": False}, "output_dir": str(tmp_path / "runs")})
+
+
+def same_run(a, b) -> None:
+    """Two runs that trained identically: losses, final metric and every parameter."""
+    assert [r.train_loss for r in a.timeline] == [r.train_loss for r in b.timeline]
+    assert a.final_eval_metric == b.final_eval_metric
+    pa_, pb = a.load_model().state_dict(), b.load_model().state_dict()
+    assert pa_.keys() == pb.keys() and all(torch.equal(pa_[k], pb[k]) for k in pa_)
+
+
 @needs_tokenizer
-def test_a_run_on_a_parquet_table_ends_where_the_same_rows_as_tsv_end(tmp_path):
-    model = {"family": "hf", "name": "bert", "depth": 2, "width": 32, "num_heads": 2,
-             "mlp_ratio": 2.0}
-    base = {"name": "t", "engine": "reference", "epochs": 2, "model": model,
-            "logging": {"report": False}, "output_dir": str(tmp_path / "runs")}
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv", "save_to_disk"])
+def test_a_run_on_each_table_format_ends_where_the_same_rows_as_tsv_end(tmp_path, fmt):
     data = {"seq_len": 16, "tokenizer": str(TOKENIZER), "batch_size": 2}
-    tsv = fit({**base, "name": "tsv", "data": {"name": "glue_tsv",
-                                              "path": str(write_glue(tmp_path / "glue")), **data}})
-    parquet = fit({**base, "name": "parquet", "data": {
-        "name": "text_table", "path": str(write_tables(tmp_path / "pq", "parquet")), **data}})
-    assert [r.train_loss for r in parquet.timeline] == [r.train_loss for r in tsv.timeline]
-    assert parquet.final_eval_metric == tsv.final_eval_metric
-    a, b = tsv.load_model().state_dict(), parquet.load_model().state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    tsv = trained(tmp_path, "tsv", BERT, {"name": "glue_tsv",
+                                          "path": str(write_glue(tmp_path / "glue")), **data})
+    table = trained(tmp_path, fmt, BERT, {"name": "text_table",
+                                          "path": str(write_tables(tmp_path / fmt, fmt)), **data})
+    same_run(table, tsv)
 
 
 @needs_tokenizer
@@ -147,6 +159,9 @@ def test_qa_table_gives_the_samples_squad_json_gives(tmp_path):
     same_samples(b.train, a.train)
     same_samples(b.eval, a.eval)
     assert b.train.target[0].tolist() != [0, 0]  # the answer is inside the window
+    data = {"seq_len": 32, "tokenizer": str(TOKENIZER), "batch_size": 2}
+    same_run(trained(tmp_path, "qa-table", BERT, {"name": "qa_table", "path": str(table), **data}),
+             trained(tmp_path, "squad", BERT, {"name": "squad_json", "path": str(squad), **data}))
 
 
 def png(colour: tuple[int, int, int], size=(10, 12)) -> bytes:
@@ -184,6 +199,14 @@ def test_image_table_gives_the_batches_an_image_folder_gives(tmp_path):
             idx = list(range(len(a)))
             ba, bb = a.batch(idx), b.batch(idx)
             assert torch.equal(ba.inputs[0], bb.inputs[0]) and torch.equal(ba.target, bb.target)
+    vit = {"family": "timm", "name": "vit_base_patch16_224", "depth": 2, "width": 16,
+           "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4}
+    data = {"image_size": 8, "batch_size": 2}
+    from_folder = trained(tmp_path, "folder", vit, {"name": "imagefolder", "path": str(folder),
+                                                    **data})
+    for root in (table, listed):
+        same_run(trained(tmp_path, root.name, vit, {"name": "image_table", "path": str(root),
+                                                    **data}), from_folder)
 
 
 def test_a_damaged_image_in_a_table_is_named_by_its_row(tmp_path):
