@@ -10,6 +10,7 @@ one's checkpoints and summary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -61,8 +62,9 @@ def hold_run_folder(run_dir: str | Path) -> Iterator[None]:
     """
     import fcntl
 
-    run_dir = Path(run_dir)
-    created = not run_dir.exists()
+    run_dir = Path(run_dir).absolute()
+    # The folders this makes, deepest first (removed again if the run writes nothing).
+    created = [f for f in (run_dir, *run_dir.parents) if not f.exists()]
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     with open(path, "a+") as handle:
@@ -87,7 +89,9 @@ def hold_run_folder(run_dir: str | Path) -> Iterator[None]:
             # leaves no folder behind, as the checks before it do.
             if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
                 path.unlink()
-                run_dir.rmdir()
+                for folder in created:
+                    with contextlib.suppress(OSError):  # not empty: another run's
+                        folder.rmdir()
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
