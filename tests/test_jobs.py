@@ -369,3 +369,69 @@ def test_a_head_with_token_auth_takes_jobs_with_the_token_and_refuses_them_witho
     assert [r["epoch"] for r in summary["timeline"]] == [0]
     jobs = http_json(f"{head.url}/api/jobs/", token=token)
     assert [j["status"] for j in jobs] == ["SUCCEEDED"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_ray_job_stop_mid_transition_leaves_nothing_running_and_the_job_resumes(ray_head,
+                                                                               tmp_path):
+    from pt_ray.runtime.checkpoint import damage
+
+    out, marker = tmp_path / "out", tmp_path / "stalled"
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({
+        "name": "stopped-job", "epochs": 3, "seed": 0,
+        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
+                  "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4},
+        "data": {"name": "synthetic_image", "num_samples": 128, "image_size": 8,
+                 "batch_size": 16},
+        "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
+        "pipeline": {"num_workers": 2, "policy": "paper"}, "cache": {"mode": "on"}}))
+    repo = working_dir_copy(tmp_path / "repo")
+    env = {**RAY_ENV, "RAY_API_SERVER_ADDRESS": ray_head.url,
+           # Rank 0 holds at the start of the transition into epoch 2 (2 -> 3 blocks frozen).
+           "PT_RAY_FAULT": f"stall:2:0:0:{marker}"}
+    job_id = f"pt-ray-stop-{uuid.uuid4().hex[:8]}"
+
+    def ray_cli(*args: str, timeout: float = 420) -> subprocess.CompletedProcess:
+        return subprocess.run([str(RAY), *args], env=cli_env(), cwd=tmp_path,
+                              capture_output=True, text=True, timeout=timeout)
+
+    started = ray_cli("job", "submit", "--no-wait", "--address", ray_head.url, "--submission-id",
+                      job_id, "--working-dir", str(repo), "--runtime-env-json",
+                      json.dumps({"env_vars": env}), "--", "python", "jobs/train.py",
+                      "--config", str(config), "--output", str(out))
+    assert started.returncode == 0, started.stderr[-3000:]
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        status = http_json(f"{ray_head.url}/api/jobs/{job_id}")["status"]
+        assert status in ("PENDING", "RUNNING") and time.monotonic() < deadline, status
+        time.sleep(0.5)
+    stopped = ray_cli("job", "stop", "--address", ray_head.url, job_id, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert http_json(f"{ray_head.url}/api/jobs/{job_id}")["status"] == "STOPPED"
+
+    def alive() -> list[str]:
+        actors = http_json(f"{ray_head.url}/api/v0/actors?limit=1000&detail=true")
+        return [f"{a.get('class_name')} {a.get('name')}" for a in actors["data"]["result"]["result"]
+                if a.get("state") == "ALIVE" and (
+                    (a.get("name") or "").startswith(("pt-ray-controller:", "pt-ray-cache:"))
+                    or a.get("class_name") in ("RayTrainWorker", "TrainController"))]
+
+    deadline = time.monotonic() + 90
+    while (left := alive()) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert not left, f"alive after ray job stop: {left}"
+    checkpoints = [p for p in (out / "ray").glob("*/checkpoint_*") if p.is_dir()]
+    assert checkpoints and all(damage(p) is None for p in checkpoints)
+    assert not (out / "summary.json").exists()
+
+    # The run continues from its newest complete checkpoint in a new job.
+    resumed = ray_cli("job", "submit", "--address", ray_head.url, "--working-dir", str(repo),
+                      "--runtime-env-json", json.dumps({"env_vars": {
+                          **RAY_ENV, "RAY_API_SERVER_ADDRESS": ray_head.url}}),
+                      "--", "python", "jobs/train.py", "--resume", str(out))
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["epoch"] for r in summary["timeline"]] == [0, 1, 2]
+    assert [r["num_frozen"] for r in summary["timeline"]] == [0, 2, 3]
