@@ -86,3 +86,24 @@ def test_a_unit_test_is_watched_by_the_installed_guard(request):
         assert GUARD.end() == ["os.posix_spawn ('/bin/true',)"]
     finally:
         GUARD.begin(request.node.nodeid)
+
+
+def test_a_multiprocessing_start_is_seen_whatever_its_start_method(request):
+    # spawn and forkserver raise no audit event of their own; the guard's wrapper of
+    # Process.start does. The process is never started: its launcher fails first.
+    import multiprocessing
+
+    from tiers import MP_START
+
+    seen = []
+    try:
+        for method in ("spawn", "forkserver", "fork"):
+            proc = multiprocessing.get_context(method).Process(target=print)
+            proc._Popen = lambda _p: (_ for _ in ()).throw(RuntimeError("not started"))
+            with pytest.raises(RuntimeError, match="not started"):
+                proc.start()
+        seen = GUARD.end()
+    finally:
+        GUARD.begin(request.node.nodeid)
+    assert seen == [f"{MP_START} ('spawn',)", f"{MP_START} ('forkserver',)",
+                    f"{MP_START} ('fork',)"]

@@ -17,9 +17,12 @@ import pytest
 
 TIERS = ("unit", "proc", "dist", "ray", "gpu")
 
+# multiprocessing's spawn and forkserver methods start processes through _posixsubprocess and a
+# server's own fork, which raise no audit event: SpawnGuard.install audits Process.start itself.
+MP_START = "multiprocessing.Process.start"
 # Audit events (https://docs.python.org/3/library/audit_events.html) of starting a process.
 SPAWNS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
-                    "os.system", "os.exec", "os.startfile"})
+                    "os.system", "os.exec", "os.startfile", MP_START})
 
 
 def tiers_of(item: pytest.Item) -> list[str]:
@@ -78,7 +81,25 @@ class SpawnGuard:
 
     def install(self) -> SpawnGuard:
         sys.addaudithook(self)  # for the rest of the process: audit hooks cannot be removed
+        _audit_process_starts()
         return self
+
+
+def _audit_process_starts() -> None:
+    """Make ``multiprocessing``'s ``Process.start`` raise :data:`MP_START` first, whatever the
+    start method (once per interpreter)."""
+    import multiprocessing.process as mp_process
+
+    original = mp_process.BaseProcess.start
+    if getattr(original, "_audited", False):
+        return
+
+    def start(self) -> None:
+        sys.audit(MP_START, getattr(self, "_start_method", None) or "default")
+        original(self)
+
+    start._audited = True
+    mp_process.BaseProcess.start = start
 
 
 GUARD = SpawnGuard()
