@@ -62,13 +62,21 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _client(uri: str):
+def _client_for(cfg: RunConfig, folder: Path) -> tuple[Any, str]:
+    """MLflow's client for ``cfg``'s tracking URI (a local store's folder made), and the URI.
+
+    Raises:
+        ConfigError: MLflow is not installed.
+    """
+    uri = tracking_uri(cfg, folder)
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise ConfigError("logging.mlflow is set but MLflow is not installed; "
                           "pip install 'pt-ray[mlflow]', or unset logging.mlflow") from None
-    return MlflowClient(tracking_uri=uri)
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri), uri
 
 
 class Tracker:
@@ -146,10 +154,7 @@ def open_tracker(cfg: RunConfig, run_dir: Path, resumed_from: str | None) -> Tra
     """
     if not cfg.logging.mlflow:
         return None
-    uri = tracking_uri(cfg, run_dir)
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    client = _client(uri)
+    client, uri = _client_for(cfg, run_dir)
     from mlflow.entities import RunTag
 
     record = run_dir / RUN_FILE
@@ -199,10 +204,7 @@ def open_sweep_run(base: RunConfig, sweep_dir: Path) -> tuple[Tracker, list[str]
     """
     if not base.logging.mlflow:
         return None
-    uri = tracking_uri(base, sweep_dir)
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    client = _client(uri)
+    client, uri = _client_for(base, sweep_dir)
     record = sweep_dir / RUN_FILE
     if record.is_file():
         tracker = Tracker(client, json.loads(record.read_text())["run_id"], sweep_dir)
