@@ -89,7 +89,7 @@ def model_card(summary: Mapping[str, Any], load_python: str) -> str:
              else f"the freeze timeline's ideal bound is {bound:.2f}x")
     lines = _front_matter(summary, cfg, task) + [
         f"# {cfg['name']}", "",
-        f"A {model['family']} `{model['name']}` model {base}, trained by pt-ray on "
+        f"A {model['family']} `{model['name']}` model {base} by pt-ray on "
         f"`{data['name']}`" + (f" (`{data['path']}`)" if data.get("path") else "") +
         f" for {len(timeline)} epochs.", "",
         "## Results", "",
