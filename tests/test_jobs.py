@@ -397,6 +397,13 @@ def test_ray_job_stop_mid_transition_leaves_nothing_running_and_the_job_resumes(
         return subprocess.run([str(RAY), *args], env=cli_env(), cwd=tmp_path,
                               capture_output=True, text=True, timeout=timeout)
 
+    def alive() -> list[str]:
+        actors = http_json(f"{ray_head.url}/api/v0/actors?limit=1000&detail=true")
+        return [f"{a.get('class_name')} {a.get('name')}" for a in actors["data"]["result"]["result"]
+                if a.get("state") == "ALIVE" and (
+                    (a.get("name") or "").startswith(("pt-ray-controller:", "pt-ray-cache:"))
+                    or a.get("class_name") in ("RayTrainWorker", "TrainController"))]
+
     started = ray_cli("job", "submit", "--no-wait", "--address", ray_head.url, "--submission-id",
                       job_id, "--working-dir", str(repo), "--runtime-env-json",
                       json.dumps({"env_vars": env}), "--", "python", "jobs/train.py",
@@ -407,16 +414,13 @@ def test_ray_job_stop_mid_transition_leaves_nothing_running_and_the_job_resumes(
         status = http_json(f"{ray_head.url}/api/jobs/{job_id}")["status"]
         assert status in ("PENDING", "RUNNING") and time.monotonic() < deadline, status
         time.sleep(0.5)
+    # The check after the stop sees the run's actors while they live.
+    running = alive()
+    assert any(a.startswith("ControllerActor") for a in running), running
+    assert sum(a.startswith("RayTrainWorker") for a in running) == 2, running
     stopped = ray_cli("job", "stop", "--address", ray_head.url, job_id, timeout=120)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert http_json(f"{ray_head.url}/api/jobs/{job_id}")["status"] == "STOPPED"
-
-    def alive() -> list[str]:
-        actors = http_json(f"{ray_head.url}/api/v0/actors?limit=1000&detail=true")
-        return [f"{a.get('class_name')} {a.get('name')}" for a in actors["data"]["result"]["result"]
-                if a.get("state") == "ALIVE" and (
-                    (a.get("name") or "").startswith(("pt-ray-controller:", "pt-ray-cache:"))
-                    or a.get("class_name") in ("RayTrainWorker", "TrainController"))]
 
     deadline = time.monotonic() + 90
     while (left := alive()) and time.monotonic() < deadline:

@@ -38,12 +38,13 @@ def alive_actors_of(run_name: str) -> list[str]:
     return found
 
 
-def interrupt_when(marker: Path, stop: threading.Event) -> None:
+def interrupt_when(marker: Path, stop: threading.Event, run_name: str, seen: list) -> None:
     """Raise KeyboardInterrupt in the main thread once ``marker`` appears (the stalled rank
-    wrote it: the transition is in flight)."""
+    wrote it: the transition is in flight), noting in ``seen`` the run's live actors then."""
     while not stop.is_set():
         if marker.exists():
             time.sleep(1.0)
+            seen.extend(alive_actors_of(run_name))
             _thread.interrupt_main()
             return
         time.sleep(0.1)
@@ -54,8 +55,9 @@ def test_a_run_stopped_mid_transition_leaves_nothing_running_and_resumes_to_the_
     name = "stopped-mid-transition"
     cfg = tiny_config(tmp_path, name=name, cache={"mode": "on", "block_size": 16})
     marker = tmp_path / "stalled"
-    stop = threading.Event()
-    watcher = threading.Thread(target=interrupt_when, args=(marker, stop), daemon=True)
+    stop, before = threading.Event(), []
+    watcher = threading.Thread(target=interrupt_when, args=(marker, stop, name, before),
+                               daemon=True)
     watcher.start()
     t0 = time.monotonic()
     try:
@@ -67,6 +69,9 @@ def test_a_run_stopped_mid_transition_leaves_nothing_running_and_resumes_to_the_
         stop.set()
     stopped_s = time.monotonic() - t0
     assert marker.exists()
+    # The check below sees the run's actors while they live: controller, cache owner, workers.
+    assert any(a.startswith("ControllerActor") for a in before), before
+    assert sum("RayTrainWorker" in a for a in before) == 2, before
 
     deadline = time.monotonic() + 60
     while (left := alive_actors_of(name)) and time.monotonic() < deadline:

@@ -23,7 +23,8 @@ from typing import Any
 
 from pt_ray.core.config import ConfigError, first_line
 
-__all__ = ["EVAL_SPLITS", "SUFFIXES", "class_ids", "column", "find_split", "read_split"]
+__all__ = ["EVAL_SPLITS", "SUFFIXES", "class_ids", "column", "find_split", "label_names_of",
+           "read_split"]
 
 SUFFIXES = (".parquet", ".jsonl", ".csv")
 EVAL_SPLITS = ("validation", "dev", "test")
