@@ -134,7 +134,7 @@ def inject_inf_run(rank, world, cfg, target_rank, bad_step):
     moved, and the loss scale after each step."""
     import numpy as np
 
-    import pt_ray.runtime.engine as engine
+    import pt_ray.runtime.step as engine
 
     worker = make_worker(cfg, world)
     worker.start()

@@ -11,7 +11,9 @@ import pytest
 
 from pt_ray.api import fit
 from pt_ray.runtime.faults import FAULT_ENV, FaultSwitch
+from pt_ray.models.base import iter_layers
 from pt_ray.runtime.checkpoint import damage
+from pt_ray.runtime.reference import ReferenceTrainer
 from test_ray_engine import max_difference, reference_layers, tiny_config
 
 
@@ -41,6 +43,15 @@ def test_the_switch_fires_once_at_its_point_for_its_rank(tmp_path):
         FaultSwitch.from_env(0, env={FAULT_ENV: f"migrate:1:0:0:{marker}"})
     with pytest.raises(ValueError, match="expected <point>:<epoch>:<step>:<rank>:<marker path>"):
         FaultSwitch.from_env(0, env={FAULT_ENV: "step:1:0"})
+
+    # Several faults, each once at its own point; the other rank's are left out.
+    both = {FAULT_ENV: f"eval:3:0:1:{tmp_path / 'e'};step:3:0:0:{tmp_path / 's'};"
+                       f"stall:2:1:1:{tmp_path / 't'}"}
+    switch = FaultSwitch.from_env(1, env=both)
+    assert not switch.due("step", 3, 0)  # rank 0's
+    assert switch.due("stall", 2, 1) and not (tmp_path / "e").exists()
+    assert switch.due("eval", 3) and not switch.due("eval", 3)
+    assert FaultSwitch.from_env(0, env=both).due("step", 3, 0)
 
 
 def _run_with_fault(tmp_path: Path, name: str, spec: str, **extra):
@@ -79,6 +90,40 @@ def test_rank_killed_while_writing_its_checkpoint_never_leaves_a_half_written_on
     assert [r.epoch for r in result.timeline] == [0, 1, 2]
     assert all(damage(p) is None for p in _checkpoints(tmp_path, "fault-checkpoint"))
     assert max_difference(result.checkpoint, reference_params) <= 1e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("checkpoint_every", [1, 2])
+def test_a_restart_between_a_freeze_and_the_guards_verdict_still_rolls_the_freeze_back(
+        ray_cluster, tmp_path, checkpoint_every):
+    # Evaluations after epochs 1 and 3 only. Block 2 freezes as epoch 2 opens (n 2 -> 3), and
+    # rank 0 dies in the middle of epoch 3, before any verdict on that freeze. The group
+    # restarts from the checkpoint after epoch 2 (every epoch checkpoints: the snapshot of
+    # epoch 2 comes back from the workers' shards) or after epoch 1 (every 2 epochs: the
+    # checkpoint is the snapshot of epoch 2, which the resume opens). Epoch 3's evaluation
+    # loses rank 1's share (the `eval` fault): the guard orders a rollback to epoch 2's start.
+    # The run ends where a reference run capped at 2 frozen blocks ends.
+    freeze = {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1,
+              "rollback": True}
+    killed, dropped = tmp_path / "killed", tmp_path / "dropped"
+    env = {FAULT_ENV: f"step:3:4:0:{killed};eval:3:0:1:{dropped}"}
+    extra = {"freeze": freeze, "eval_every": 2, "epochs": 4,
+             "checkpoint_every": checkpoint_every}
+    name = f"fault-rollback-restart-{checkpoint_every}"
+    result = fit(tiny_config(tmp_path, name=name, **extra), worker_env=env)
+    assert killed.exists() and dropped.exists(), "a fault was never injected"
+    assert result.restarts == 1
+    assert [(r["epoch"], r["rollback_to"], r["num_frozen"], r["undone"])
+            for r in result.rollbacks] == [(3, 2, 2, 3)]
+    assert [(r.epoch, r.num_frozen) for r in result.timeline] == [(0, 0), (1, 2), (2, 2),
+                                                                  (3, 2)]
+    capped = tiny_config(tmp_path / "ref", engine="reference",
+                         **{**extra, "freeze": {**freeze, "max_frozen": 2, "rollback": False}})
+    trainer = ReferenceTrainer(capped)
+    trainer.fit()
+    reference = {name: m.state_dict() for name, m in iter_layers(trainer.adapter)}
+    assert max_difference(result.checkpoint, reference) <= 1e-4
 
 
 @pytest.mark.ray

@@ -4,7 +4,6 @@ skipped; what cannot resume says so in one line before anything starts."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import zlib
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from pt_ray.api import fit
 from pt_ray.cli import main
@@ -134,57 +134,45 @@ def _same(a, b) -> bool:
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
-def test_shards_come_back_bit_for_bit_and_earlier_formats_still_load(tmp_path):
+def test_shards_come_back_bit_for_bit_and_nothing_else_is_read(tmp_path):
     layers = {
         "blocks.0": {
             "params": {"w": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
                        "t": torch.randn(4, 6).t(), "empty": torch.empty(0, 3)},
             "optim": [{"step": torch.tensor(12.0), "exp_avg": torch.randn(3, 5),
                        "flag": torch.tensor([True, False, True])},
-                      {"step": 3, "lr": 0.5, "ids": torch.arange(5)}],
+                      {"step": 3, "lr": 0.5, "ids": torch.arange(5), "none": None}],
         },
         "__norms__": {"sums": {0: 1.5, 1: 2.0}, "steps": 4, "pair": (torch.ones(2), "x")},
     }
+    # Two views of one tensor are written as two tensors.
+    base = torch.arange(6.0)
+    layers["blocks.0"]["params"]["v1"], layers["blocks.0"]["params"]["v2"] = base[:3], base[3:]
     path = write_shard(tmp_path / "new", 0, layers)
     back = read_shard(path)
     assert _same(layers, back)
-    # Each tensor is its own copy, not a view of the file's buffer.
-    back["blocks.0"]["params"]["w"].add_(1.0)
-    assert _same(read_shard(path)["blocks.0"]["params"]["w"], layers["blocks.0"]["params"]["w"])
     found, norms = load_layers(tmp_path / "new", ["blocks.0"])
     assert _same(found["blocks.0"], layers["blocks.0"]) and norms == {"sums": {0: 1.5, 1: 2.0},
                                                                        "steps": 4}
-    # The manifest's size and CRC-32 are the file's, taken while it was written.
+    # The manifest's size and CRC-32 are the file's.
     manifest = json.loads(path.with_suffix(".json").read_text())
     assert manifest["bytes"] == path.stat().st_size
     assert manifest["crc32"] == zlib.crc32(path.read_bytes())
-    # Every tensor's bytes start 64-byte aligned in the file: any dtype views them in place.
-    data = path.read_bytes()
-    for t in (layers["blocks.0"]["params"]["w"], layers["blocks.0"]["optim"][0]["exp_avg"]):
-        at = data.find(t.contiguous().numpy().tobytes())
-        assert at > 0 and at % 64 == 0
-    # Shards written before: one torch.save of the layers packed into one buffer (the same
-    # skeleton, specs and bytes as this file's), or of the layers themselves.
-    for name, saved in (("packed", _packed_as_before(path)), ("plain", layers)):
-        old = tmp_path / name
-        old.mkdir()
-        torch.save(saved, old / "shard-rank0.pt")
-        found, _ = load_layers(old, ["blocks.0"])
-        assert _same(found["blocks.0"], layers["blocks.0"]), name
-
-
-def _packed_as_before(path: Path) -> dict:
-    """What a shard's one ``torch.save`` held before the flat format: the skeleton and specs of
-    the flat file's header, and its tensor bytes as one uint8 buffer."""
-    import pickle
-    import struct
-
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[8:16])
-    header = pickle.loads(data[16:16 + length])
-    start = -(-(16 + length) // 64) * 64
-    return {"__pt_ray_packed__": 1, **header,
-            "buffer": torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8)}
+    assert manifest["layers"] == ["blocks.0"]
+    # A file pt-ray did not write (a pickle, or safetensors without the structure) is refused
+    # with the fix; nothing unpickles it.
+    pickled = tmp_path / "pickled.safetensors"
+    torch.save(layers, pickled)
+    with pytest.raises(ValueError, match="is not a pt-ray checkpoint shard"):
+        read_shard(pickled)
+    bare = tmp_path / "bare.safetensors"
+    save_file({"w": torch.ones(2)}, bare)
+    with pytest.raises(ValueError, match="is not a pt-ray checkpoint shard .* resume from a "
+                                         "checkpoint pt-ray wrote"):
+        read_shard(bare)
+    # What could only come back through pickle is refused when written.
+    with pytest.raises(TypeError, match="cannot hold a set"):
+        write_shard(tmp_path / "bad", 0, {"blocks.0": {"params": {}, "odd": {1, 2}}})
 
 
 @pytest.mark.unit
@@ -193,29 +181,19 @@ def test_damaged_checkpoints_are_named_and_skipped_for_the_one_before(tmp_path, 
     assert damage(older) is None
 
     cut = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-05-00.000000", 1)
-    shard = cut / "shard-rank1.pt"
+    shard = cut / "shard-rank1.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
-    assert damage(cut) == f"shard-rank1.pt holds {shard.stat().st_size} bytes of " \
+    assert damage(cut) == f"shard-rank1.safetensors holds {shard.stat().st_size} bytes of " \
         f"{shard.stat().st_size + 10}"
 
     missing = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-06-00.000000", 1)
-    (missing / "shard-rank0.pt").unlink()
-    assert damage(missing) == "shard-rank0.pt missing"
+    (missing / "shard-rank0.safetensors").unlink()
+    assert damage(missing) == "shard-rank0.safetensors missing"
 
     changed = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-07-00.000000", 1)
     other = write_shard(tmp_path / "other", 1, {"block1": {"params": {"w": torch.full((4,), 2.0)}}})
-    (changed / "shard-rank1.pt").write_bytes(other.read_bytes())  # the same size
-    assert damage(changed) == "shard-rank1.pt does not match its CRC-32"
-    # A manifest written before CRC-32 holds the SHA-256, which is checked instead.
-    manifest = changed / "shard-rank1.json"
-    entry = json.loads(manifest.read_text())
-    data = (changed / "shard-rank1.pt").read_bytes()
-    del entry["crc32"]
-    manifest.write_text(json.dumps({**entry, "sha256": hashlib.sha256(data).hexdigest()}))
-    assert damage(changed) is None
-    manifest.write_text(json.dumps({**entry, "sha256": hashlib.sha256(b"x").hexdigest()}))
-    assert damage(changed) == "shard-rank1.pt does not match its SHA-256"
-
+    (changed / "shard-rank1.safetensors").write_bytes(other.read_bytes())  # the same size
+    assert damage(changed) == "shard-rank1.safetensors does not match its CRC-32"
     no_meta = _checkpoint(tmp_path / "b" / "checkpoint_2026-11-30_10-08-00.000000", 1)
     (no_meta / "meta.json").write_text('{"epoch": ')
     assert damage(no_meta).startswith("meta.json unreadable")

@@ -160,7 +160,7 @@ def report_rank(rank, world, cfg):
     from pt_ray.control.state import build_control_state
     from pt_ray.data.registry import build_dataset
     from pt_ray.core.plan import CostTable
-    from pt_ray.runtime.engine import ElasticWorker, LocalController
+    from pt_ray.runtime.engine import ElasticWorker, EngineHooks, LocalController
     from pt_ray.runtime.build import build_model_for
 
     splits = build_dataset(cfg.data, seed=cfg.seed)
@@ -172,7 +172,7 @@ def report_rank(rank, world, cfg):
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control),
                            costs=CostTable.from_param_counts(1.0, [1.0] * 2, 1.0),
-                           on_step_report=records.append)
+                           hooks=EngineHooks(on_step_report=records.append))
     timeline = worker.fit()
     worker.close()
     return records, timeline

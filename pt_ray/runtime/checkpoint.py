@@ -1,6 +1,6 @@
 """Checkpoints of an elastic run: per-layer shards from every rank plus one metadata file.
 
-Each rank writes ``shard-rank<r>.pt`` with its share of its stage's layers (the stage's
+Each rank writes ``shard-rank<r>.safetensors`` with its share of its stage's layers (the stage's
 layers dealt out among its replicas by bytes, since every replica holds them alike): parameters
 and, for layers that still train, their optimizer state, and beside it ``shard-rank<r>.json``,
 the shard's size, CRC-32 and the names of the layers it holds (the index by which a restoring
@@ -9,14 +9,9 @@ samples seen, the plan, the controller's state, and ``num_shards``). Shards are 
 name, not by rank, so a restart under any plan (or any number of workers) finds
 every layer it needs wherever it was saved.
 
-A shard is pt-ray's own flat file (:func:`write_shard`): a magic number, a small pickled header
-(the layers' structure with every tensor replaced by its place, and each tensor's dtype, shape
-and offset), then every tensor's bytes at 64-byte aligned offsets, streamed straight from the
-tensors and hashed on the way in one pass. ``torch.save`` would spend about 60 microseconds on
-each tensor it pickles (a shard of a few layers with their AdamW state holds hundreds of small
-ones), and copying them into one buffer first, saving that, and reading the file back to hash
-it went over the bytes four times. Shards written before (one ``torch.save``, packed into one
-buffer or not) still load.
+A shard is a safetensors file: its tensors under their place in the layers' structure, and
+that structure (nested dicts, lists, numbers) as JSON in the file's metadata. Reading one
+unpickles nothing.
 
 Ray Train copies each rank's files into the checkpoint folder; a process that dies during the
 copy leaves a folder that lacks files or holds a truncated one. :func:`damage` finds that from
@@ -25,23 +20,22 @@ the manifests, and :func:`latest_checkpoint` skips such a folder for the one bef
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import pickle
-import struct
 import zlib
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
-import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from pt_ray.models.base import ModelAdapter, layer_module, layer_names
 
 __all__ = ["META", "damage", "deal_layers", "latest_checkpoint", "load_layers",
-           "load_parameters", "read_meta", "read_shard", "usable_checkpoint", "write_meta",
-           "write_shard"]
+           "load_parameters", "read_meta", "read_rollback", "read_shard", "usable_checkpoint",
+           "write_meta", "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,155 +65,134 @@ def write_shard(
     directory: Path, rank: int, layers: dict[str, dict[str, Any]]
 ) -> Path:
     """Write one rank's layers, ``{layer: {"params": state_dict, "optim": [state per param]}}``
-    (tensors on the CPU), and then its manifest (size, CRC-32 and the layer names,
-    ``__norms__`` left out)."""
+    (tensors on the CPU), as a safetensors file whose metadata holds their structure, and then
+    its manifest (size, CRC-32 and the layer names, ``__norms__`` and ``__rollback__`` left
+    out)."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"shard-rank{rank}.pt"
+    path = directory / f"shard-rank{rank}.safetensors"
     skeleton, tensors = _flatten(layers)
-    specs, offset = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        specs.append((t.dtype, tuple(t.shape), offset, nbytes))
-        offset += _aligned(nbytes)
-    header = pickle.dumps({"skeleton": skeleton, "specs": specs},
-                          protocol=pickle.HIGHEST_PROTOCOL)
-    lead = _MAGIC + struct.pack("<Q", len(header)) + header
-    pieces = [lead, _ZEROS[:_aligned(len(lead)) - len(lead)]]
-    for t, (_, _, _, nbytes) in zip(tensors, specs):
-        if nbytes:
-            pieces += [memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()),
-                       _ZEROS[:_aligned(nbytes) - nbytes]]
-    # CRC-32, as zip files (and torch.save) check their records: it finds a truncated or
-    # changed shard, which is all a checksum here must do, at a fraction of a cryptographic
-    # hash's cost (nothing adversarial writes these files).
-    crc, size = 0, 0
-    with path.open("wb") as f:
-        def put(data) -> None:
-            nonlocal crc, size
-            f.write(data)
-            crc = zlib.crc32(data, crc)
-            size += len(data)
-
-        # Small pieces go out joined (a shard holds hundreds of small tensors, and each write
-        # and hash update costs microseconds); a large one straight from its tensor.
-        batch, pending = [], 0
-        for piece in pieces:
-            if len(piece) >= _DIRECT_BYTES:
-                if batch:
-                    put(b"".join(batch))
-                    batch, pending = [], 0
-                put(piece)
-                continue
-            batch.append(piece)
-            pending += len(piece)
-            if pending >= _DIRECT_BYTES:
-                put(b"".join(batch))
-                batch, pending = [], 0
-        if batch:
-            put(b"".join(batch))
-    manifest = {"file": path.name, "bytes": size, "crc32": crc,
+    save_file({str(i): t for i, t in enumerate(tensors)}, path,
+              metadata={_STRUCTURE: json.dumps(skeleton)})
+    # CRC-32, as zip files check their records: it finds a truncated or changed shard, which
+    # is all a checksum here must do (nothing adversarial writes these files).
+    manifest = {"file": path.name, "bytes": path.stat().st_size, "crc32": _crc32(path),
                 "layers": sorted(n for n in layers if not n.startswith("__"))}
     path.with_suffix(".json").write_text(json.dumps(manifest))
     return path
 
 
-def read_shard(path: Path) -> dict[str, Any]:
-    """The layers a shard holds, each tensor its own copy: pt-ray's flat file
-    (:func:`write_shard`), or one ``torch.save`` of them (packed into one buffer or not)
-    as shards were written before."""
+def read_shard(path: Path, keys: Collection[str] | None = None) -> dict[str, Any]:
+    """The layers a shard holds (:func:`write_shard`), or only those of ``keys`` (the others'
+    tensors are not read). Nothing in the file is unpickled.
+
+    Raises:
+        ValueError: the file is not a shard pt-ray wrote.
+    """
     path = Path(path)
-    with path.open("rb") as f:
-        if f.read(len(_MAGIC)) != _MAGIC:
-            return _unpack(torch.load(path, map_location="cpu", weights_only=False))
-    data = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
-    (length,) = struct.unpack("<Q", data[len(_MAGIC):len(_MAGIC) + 8].numpy().tobytes())
-    lead = len(_MAGIC) + 8 + length
-    header = pickle.loads(data[len(_MAGIC) + 8:lead].numpy().tobytes())
-    return _unpack({_PACKED: 1, "skeleton": header["skeleton"], "specs": header["specs"],
-                    "buffer": data[_aligned(lead):]})
+    fix = "resume from a checkpoint pt-ray wrote"
+    try:
+        with safe_open(path, framework="pt") as f:
+            structure = (f.metadata() or {}).get(_STRUCTURE)
+            if structure is None:
+                raise ValueError(f"{path} is not a pt-ray checkpoint shard (its metadata has "
+                                 f"no {_STRUCTURE!r}); {fix}")
+            skeleton = json.loads(structure)
+            if keys is not None:
+                skeleton = {"d": [[k, v] for k, v in skeleton["d"] if k in keys]}
+            tensors = {i: f.get_tensor(str(i)) for i in _places(skeleton)}
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a pt-ray checkpoint shard ({err}); {fix}") from None
+    return _rebuild(skeleton, tensors)
 
 
-# The first bytes of a shard in pt-ray's flat format.
-_MAGIC = b"PTRAYSH1"
-# Marks a packed object (an earlier shard format); a tensor's place is ``(_SLOT, index)``.
-_PACKED, _SLOT = "__pt_ray_packed__", "__pt_ray_tensor__"
-_ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype views it in place
-_ZEROS = memoryview(bytes(_ALIGN))
-_DIRECT_BYTES = 1 << 20  # pieces at least this large are written (and hashed) on their own
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+# The safetensors metadata key that holds a shard's structure.
+_STRUCTURE = "pt_ray.structure"
 
 
 def _flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """``obj`` (nested dicts, lists and tuples) with every tensor replaced by its place in the
-    returned list; other values are kept as they are."""
+    """``obj`` (nested dicts, lists and tuples of tensors, numbers, strings, booleans and
+    None) as JSON-ready data, every tensor replaced by its place in the returned list (each
+    contiguous and holding its own memory, as safetensors wants).
+
+    A dict becomes ``{"d": [[key, value], ...]}`` (its keys keep their type, int or str), a
+    tuple ``{"u": [...]}``, a tensor ``{"t": index}``; lists and plain values stay as they are.
+
+    Raises:
+        TypeError: a value of another type (it could not be read back without unpickling).
+    """
     tensors: list[torch.Tensor] = []
+    storages: set[int] = set()
 
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            tensors.append(x.detach())
-            return (_SLOT, len(tensors) - 1)
+            t = x.detach().contiguous()
+            ptr = t.untyped_storage().data_ptr() if t.numel() else None
+            if ptr in storages:  # a view of a tensor already written: its own copy
+                t = t.clone()
+            elif ptr is not None:
+                storages.add(ptr)
+            tensors.append(t)
+            return {"t": len(tensors) - 1}
         if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
+            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in x):
+                raise TypeError(f"a checkpoint shard's dict keys must be str or int: {list(x)}")
+            return {"d": [[k, walk(v)] for k, v in x.items()]}
+        if isinstance(x, tuple):
+            return {"u": [walk(v) for v in x]}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise TypeError(f"a checkpoint shard cannot hold a {type(x).__name__}: {x!r}")
 
     return walk(obj), tensors
 
 
-def _unpack(packed: Any) -> Any:
-    """The object a packed one (skeleton, specs, one byte buffer) describes, each tensor its
-    own copy; anything that is not packed (a shard of plain ``torch.save``) as it is."""
-    if not (isinstance(packed, dict) and packed.get(_PACKED) == 1):
-        return packed
-    buffer = packed["buffer"]
-    tensors = []
-    for dtype, shape, start, nbytes in packed["specs"]:
-        raw = buffer[start:start + nbytes]
-        tensors.append(raw.view(dtype).view(shape).clone() if nbytes
-                       else torch.empty(shape, dtype=dtype))
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, tuple) and len(x) == 2 and x[0] == _SLOT:
-            return tensors[x[1]]
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
-
-    return walk(packed["skeleton"])
+def _places(skeleton: Any) -> list[int]:
+    """The places of the tensors that ``skeleton`` holds."""
+    if isinstance(skeleton, list):
+        return [i for v in skeleton for i in _places(v)]
+    if isinstance(skeleton, dict):
+        if "t" in skeleton:
+            return [skeleton["t"]]
+        return [i for v in skeleton.get("u", [v for _, v in skeleton.get("d", [])])
+                for i in _places(v)]
+    return []
 
 
-def _checksum(path: Path, kind: str) -> str | int:
-    """The file's ``crc32`` (what shards' manifests hold) or ``sha256`` (manifests written
-    before)."""
-    digest, crc = hashlib.sha256(), 0
+def _rebuild(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    """The object :func:`_flatten` turned into ``skeleton``, its tensors from ``tensors``."""
+    if isinstance(skeleton, list):
+        return [_rebuild(v, tensors) for v in skeleton]
+    if isinstance(skeleton, dict):
+        if "t" in skeleton:
+            return tensors[skeleton["t"]]
+        if "u" in skeleton:
+            return tuple(_rebuild(v, tensors) for v in skeleton["u"])
+        return {k: _rebuild(v, tensors) for k, v in skeleton["d"]}
+    return skeleton
+
+
+def _crc32(path: Path) -> int:
+    """The file's CRC-32 (what shards' manifests hold)."""
+    crc = 0
     with path.open("rb") as f:
         while chunk := f.read(1 << 22):
-            if kind == "crc32":
-                crc = zlib.crc32(chunk, crc)
-            else:
-                digest.update(chunk)
-    return crc if kind == "crc32" else digest.hexdigest()
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def damage(directory: Path) -> str | None:
     """Why the checkpoint in ``directory`` cannot be used (a file missing, unreadable,
-    truncated or changed), or None when it is complete.
-
-    A checkpoint written before shards had manifests (no ``num_shards`` in its metadata) is
-    judged by its metadata alone.
-    """
+    truncated or changed), or None when it is complete."""
     directory = Path(directory)
     try:
         meta = read_meta(directory)
     except (OSError, ValueError) as err:
         return f"{META} unreadable ({type(err).__name__}: {err})"
-    for rank in range(meta.get("num_shards", 0)):
+    if "num_shards" not in meta:
+        return f"{META} names no shards (not written by this version of pt-ray)"
+    for rank in range(meta["num_shards"]):
         manifest = directory / f"shard-rank{rank}.json"
         try:
             expected = json.loads(manifest.read_text())
@@ -231,9 +204,8 @@ def damage(directory: Path) -> str | None:
         size = shard.stat().st_size
         if size != expected["bytes"]:
             return f"{shard.name} holds {size} bytes of {expected['bytes']}"
-        kind = "crc32" if "crc32" in expected else "sha256"
-        if _checksum(shard, kind) != expected[kind]:
-            return f"{shard.name} does not match its {'CRC-32' if kind == 'crc32' else 'SHA-256'}"
+        if _crc32(shard) != expected.get("crc32"):
+            return f"{shard.name} does not match its CRC-32"
     return None
 
 
@@ -294,8 +266,7 @@ def load_layers(
     read once).
 
     The shards' manifests name their layers, so only the shards holding a listed layer are
-    read: a rank restoring its stage reads its own layers, not the whole model. A checkpoint
-    whose manifests lack the names (written before they had them) is read whole.
+    read: a rank restoring its stage reads its own layers, not the whole model.
 
     Returns:
         ``(layers, norms)``: the layers by name, and the gradient-norm meter of the interval in
@@ -308,7 +279,7 @@ def load_layers(
     norms: dict[str, Any] = {"sums": {}, "steps": 0}
     wanted = set(names)
     for shard in _shards_holding(Path(directory), wanted):
-        layers = read_shard(shard)
+        layers = read_shard(shard, keys=wanted | {"__norms__"})
         for name in wanted & set(layers):
             found[name] = layers[name]
         meter = layers.get("__norms__")
@@ -323,25 +294,21 @@ def load_layers(
     return found, norms
 
 
+def read_rollback(directory: Path, rank: int) -> dict[int, dict[str, Any]]:
+    """The rollback snapshots rank ``rank``'s shard holds (``{}`` when none was pending)."""
+    shard = Path(directory) / f"shard-rank{rank}.safetensors"
+    return read_shard(shard, keys=("__rollback__",)).get("__rollback__", {})
+
+
 def _shards_holding(directory: Path, wanted: set[str]) -> list[Path]:
-    """The shard files that hold a layer of ``wanted``, by their manifests; every shard when a
-    manifest is missing or names no layers (an older checkpoint).
+    """The shard files whose manifests name a layer of ``wanted`` (:func:`damage` has checked
+    that every manifest is there).
 
     The gradient-norm meter of a block travels in the shard of the rank that trained it, which
     is the shard holding the block, so the shards read carry the norms of the wanted blocks.
     """
-    shards = sorted(directory.glob("shard-rank*.pt"))
-    chosen = []
-    for shard in shards:
-        try:
-            listed = json.loads(shard.with_suffix(".json").read_text()).get("layers")
-        except (OSError, ValueError):
-            listed = None
-        if listed is None:
-            return shards
-        if wanted & set(listed):
-            chosen.append(shard)
-    return chosen
+    return [shard for shard in sorted(directory.glob("shard-rank*.safetensors"))
+            if wanted & set(json.loads(shard.with_suffix(".json").read_text())["layers"])]
 
 
 def load_parameters(directory: Path, adapter: ModelAdapter) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 ``PT_RAY_FAULT="<point>:<epoch>:<step>:<rank>:<marker path>"`` makes rank ``<rank>`` fail at
 ``<point>`` of epoch ``<epoch>`` (from 0), once: the marker file records that the fault fired, so
-the restarted run goes through. ``<step>`` is the epoch's step for step points and ignored by
+the restarted run goes through. Several faults, each with its own marker, are separated by
+``;``. ``<step>`` is the epoch's step for step points and ignored by
 the others; for ``step``, ``controller`` and ``hang``, epoch ``epochs`` (one past the last)
 with step 0 is after the workers' last call of the run, before they return. The points:
 
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FAULT_ENV", "POINTS", "STALL_S", "FaultSwitch", "kill_self", "stall"]
+__all__ = ["FAULT_ENV", "POINTS", "STALL_S", "FaultSwitch", "Faults", "kill_self", "stall"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ class FaultSwitch:
 
     @classmethod
     def from_env(cls, rank: int, delay_s: float = 0.0,
-                 env: dict[str, str] | None = None) -> FaultSwitch | None:
-        """This rank's fault from ``PT_RAY_FAULT`` (None when unset or for another rank);
-        ``delay_s``: wait this long before the fault fires (e.g. for Ray Train to register
+                 env: dict[str, str] | None = None) -> Faults | None:
+        """This rank's faults from ``PT_RAY_FAULT`` (None when unset or all for other ranks);
+        ``delay_s``: wait this long before a fault fires (e.g. for Ray Train to register
         the previous checkpoint).
 
         Raises:
@@ -79,6 +80,12 @@ class FaultSwitch:
         spec = (os.environ if env is None else env).get(FAULT_ENV)
         if not spec:
             return None
+        mine = [s for s in (cls._parse(one, delay_s) for one in spec.split(";")) if s[1] == rank]
+        return Faults(tuple(s for s, _ in mine)) if mine else None
+
+    @classmethod
+    def _parse(cls, spec: str, delay_s: float) -> tuple[FaultSwitch, int]:
+        """One fault and its rank."""
         try:
             point, epoch, step, target, marker = spec.split(":", 4)
             epoch_i, step_i, target_i = int(epoch), int(step), int(target)
@@ -88,9 +95,7 @@ class FaultSwitch:
         if point not in POINTS:
             raise ValueError(f"{FAULT_ENV}={spec!r}: unknown point {point!r}; "
                              f"choose one of {', '.join(POINTS)}")
-        if target_i != rank:
-            return None
-        return cls(point, epoch_i, step_i, Path(marker), delay_s)
+        return cls(point, epoch_i, step_i, Path(marker), delay_s), target_i
 
     def due(self, point: str, epoch: int, step: int = 0) -> bool:
         """Whether the fault fires here (and has not fired yet); marks it fired if so."""
@@ -106,5 +111,22 @@ class FaultSwitch:
     def at(self, point: str, epoch: int, step: int = 0,
            action: Callable[[], None] = kill_self) -> None:
         """Run ``action`` (by default: kill this process) when the fault is due here."""
+        if self.due(point, epoch, step):
+            action()
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The faults one rank injects (each fires once, at its own point)."""
+
+    switches: tuple[FaultSwitch, ...]
+
+    def due(self, point: str, epoch: int, step: int = 0) -> bool:
+        """Whether one of the faults fires here (marking it fired)."""
+        return any(s.due(point, epoch, step) for s in self.switches)
+
+    def at(self, point: str, epoch: int, step: int = 0,
+           action: Callable[[], None] = kill_self) -> None:
+        """Run ``action`` (by default: kill this process) when a fault is due here."""
         if self.due(point, epoch, step):
             action()

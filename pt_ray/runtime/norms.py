@@ -8,7 +8,7 @@ Torch runtime layer, no Ray.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +79,13 @@ class GradNormMeter:
         self.sums.clear()
         self._vector = None
         self.steps = 0
+
+    def load_state_dict(self, state: dict, blocks: Collection[int] | None = None) -> None:
+        """Start again from :meth:`state_dict`'s numbers (only those of ``blocks`` if given)."""
+        self.reset()
+        self.sums.update({b: v for b, v in state["sums"].items()
+                          if blocks is None or b in blocks})
+        self.steps = state["steps"]
 
 
 def block_grad_norms(adapter: ModelAdapter, blocks: range) -> dict[int, torch.Tensor]:

@@ -21,7 +21,6 @@ with the same parameters:
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -45,8 +44,10 @@ from pt_ray.models.base import (
     run_blocks,
 )
 from pt_ray.runtime.build import build_model_for
+from pt_ray.runtime.layerstate import capture_layers, load_layers_into
 from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
 from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
+from pt_ray.runtime.rollback import Rollback
 from pt_ray.runtime.sync import clip_grad_norm
 from pt_ray.runtime.optim import (
     build_optimizer,
@@ -146,7 +147,7 @@ class ReferenceTrainer:
         self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
         f = cfg.freeze
         self.guard = FreezeGuard(f.guard_points if f.policy != "none" else None, f.rollback)
-        self.snapshots: dict[int, dict] = {}
+        self.rollback = Rollback()
         self.rollbacks: list[dict] = []
         # Decisions are counted as the engine counts them: one opens each epoch, one more every
         # `interval` steps inside it (None: per epoch).
@@ -194,35 +195,43 @@ class ReferenceTrainer:
 
     # -- the accuracy guard's rollback -----------------------------------------------------------
 
-    def _snapshot(self) -> dict:
-        """Everything that decides the rest of the run, as it is now (the start of an epoch)."""
-        return {
-            "model": copy.deepcopy(self.adapter.model.state_dict()),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "num_frozen": self.num_frozen,
-            "global_step": self.global_step,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": torch.get_rng_state(),
-        }
+    def _keep_snapshot(self, epoch: int) -> None:
+        """Keep everything that decides the rest of the run as it is now (the start of
+        ``epoch``)."""
+        modules = dict(iter_layers(self.adapter))
+        frozen = set(frozen_layer_names(self.num_frozen))
+        self.rollback.keep(
+            epoch,
+            capture_layers(modules, modules, set(modules) - frozen, self.optimizer, copy=True),
+            {"global_step": self.global_step, "num_frozen": self.num_frozen},
+            self.norms.state_dict(),
+            self.scaler.state_dict() if self.scaler is not None else None)
 
-    def _restore(self, snap: dict) -> None:
-        """Return to :meth:`_snapshot`'s state: the blocks frozen since train again."""
-        for name in set(frozen_layer_names(self.num_frozen)) - set(
-                frozen_layer_names(snap["num_frozen"])):
-            for p in layer_module(self.adapter, name).parameters():
+    def _roll_back(self, epoch: int) -> None:
+        """Return to the snapshot of ``epoch``'s start: the blocks frozen since train again."""
+        snap = self.rollback.undo(epoch)
+        modules = dict(iter_layers(self.adapter))
+        num_frozen = snap.counters["num_frozen"]
+        frozen = frozen_layer_names(num_frozen)
+        for name in set(frozen_layer_names(self.num_frozen)) - set(frozen):
+            for p in modules[name].parameters():
                 p.requires_grad_(True)
-        self.adapter.model.load_state_dict(snap["model"])
-        self.num_frozen = snap["num_frozen"]
+        trained = set(modules) - set(frozen)
+        states = load_layers_into(modules, snap.layers, trained, torch.device("cpu"))
+        self.num_frozen = num_frozen
         self.optimizer = build_optimizer(
             self.cfg.optimizer,
             layer_param_groups(iter_layers(self.adapter), self.cfg.optimizer.weight_decay),
         )
-        self.optimizer.load_state_dict(snap["optimizer"])
-        self.global_step = snap["global_step"]
+        remove_layers(self.optimizer, frozen)
+        for name, layer_states in states.items():
+            for p, st in zip(modules[name].parameters(), layer_states):
+                if st:
+                    self.optimizer.state[p] = st
+        self.global_step = snap.counters["global_step"]
         if self.scaler is not None:
-            self.scaler.load_state_dict(snap["scaler"])
-        torch.set_rng_state(snap["rng"])
-        self.norms.reset()
+            self.scaler.load_state_dict(snap.scaler)
+        self.norms.load_state_dict(snap.norms)
         self._set_modes()
 
     def after_epoch(self, rec: EpochRecord, timeline: list[EpochRecord]) -> int:
@@ -232,14 +241,13 @@ class ReferenceTrainer:
         verdict = self.guard.observe(rec.epoch, rec.num_frozen, rec.eval_metric)
         if verdict is None:
             if rec.eval_metric == rec.eval_metric:  # evaluated: no earlier freeze is suspect
-                self.snapshots.clear()
+                self.rollback.passed()
             return rec.epoch + 1
         logger.warning("accuracy guard: %s", verdict.describe())
         if not verdict.rollback:
             return rec.epoch + 1
         q = verdict.freeze_epoch
-        self._restore(self.snapshots.pop(q))
-        self.snapshots.clear()
+        self._roll_back(q)
         self.discarded += [r for r in timeline if r.epoch >= q]
         timeline[:] = [r for r in timeline if r.epoch < q]
         self.rollbacks.append({"epoch": rec.epoch, "rollback_to": q,
@@ -326,7 +334,7 @@ class ReferenceTrainer:
         g = self.guard
         if g.rollback and not g.stopped and self.num_frozen < self.policy.max_frozen:
             # A freeze anywhere in this epoch that the guard finds harmful returns here.
-            self.snapshots[epoch] = self._snapshot()
+            self._keep_snapshot(epoch)
         transition += self.decide(self.decision)
         set_epoch(self.splits.train, epoch)
         steps = [self.sampler.step_indices(epoch, s) for s in range(self.sampler.steps_per_epoch)]

@@ -33,10 +33,10 @@ import torch._dynamo  # noqa: F401
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
 from pt_ray.data.registry import build_dataset
-from pt_ray.runtime.faults import FaultSwitch, stall
+from pt_ray.runtime.faults import FaultSwitch, Faults, stall
 from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
-from pt_ray.runtime.engine import ElasticWorker
+from pt_ray.runtime.engine import ElasticWorker, EngineHooks
 from pt_ray.runtime.build import build_model_for
 from pt_ray.service.cache import RayStore
 from pt_ray.service.controller import RayController
@@ -54,7 +54,7 @@ logger = logging.getLogger("pt_ray.worker")
 _FAULT_DELAY_S = 4.0
 
 
-def _worker_faults(fault: FaultSwitch | None, controller_name: str):
+def _worker_faults(fault: Faults | None, controller_name: str):
     """The ``step``, ``controller`` and ``hang`` points, reached before each step."""
     if fault is None:
         return None
@@ -226,8 +226,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     steps = _step_reporter(cfg, rank, config.get("run_dir"))
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, on_step=on_step, store=store, on_step_report=steps,
-                           fault=fault)
+                           device=device, store=store,
+                           hooks=EngineHooks(on_step=on_step, on_step_report=steps, fault=fault))
 
     first_epoch = _start_or_restore(worker, controller, config.get("resume_from"), rank, world)
     if rank == 0:

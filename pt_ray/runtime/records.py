@@ -1,0 +1,163 @@
+"""What a rank tells the run about its training: the evaluation it scores, the epoch's record
+(one gather over the ranks, the same on each), and the live step reports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from pt_ray.data.base import DatasetSplits, gather
+from pt_ray.data.sampler import eval_shards
+from pt_ray.runtime.comm import Comm
+from pt_ray.runtime.layout import Layout, to_device_batch
+from pt_ray.runtime.memory import FIELDS, rank_memory
+from pt_ray.runtime.norms import merge_block_norms, norm_row
+from pt_ray.reporting.steplog import StepRecord, StepWindow
+from pt_ray.reporting.summary import EpochRecord
+
+__all__ = ["EpochFigures", "StepReports", "count_correct", "epoch_record"]
+
+
+@torch.no_grad()
+def count_correct(layout: Layout, splits: DatasetSplits, batch_size: int,
+                  comm: Comm) -> tuple[int, float]:
+    """Score this rank's share of the eval set: the set is split across replicas and piped
+    through each replica's stages. Returns the correct predictions counted here (on last
+    stages; 0 elsewhere: the sum over every rank is the whole set's) and the seconds it
+    took."""
+    t0 = time.perf_counter()
+    plan, topo, device, adapter = layout.plan, layout.topo, layout.device, layout.adapter
+    adapter.model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    prev = topo.pipeline_ranks[topo.stage - 1] if not topo.is_first_stage else None
+    nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
+    for idx in eval_shards(len(splits.eval), batch_size, topo.replica, plan.num_replicas):
+        if topo.is_first_stage:
+            inputs = to_device_batch(gather(splits.eval, idx.tolist()), device).inputs
+            if layout.stage.state_inputs:  # the cache holds training samples only
+                inputs = layout.stage.run_prefix(*inputs)
+            out = layout.stage(*inputs)
+        else:
+            out = layout.stage(*comm.recv(prev, device))
+        if nxt is not None:
+            comm.send(out, nxt)
+        else:
+            target = gather(splits.eval, idx.tolist()).target.to(device)
+            correct += adapter.correct(out, target).sum()
+    layout.set_modes()
+    return int(correct), time.perf_counter() - t0
+
+
+class EpochFigures:
+    """One rank's figures of an epoch, in the order the gather carries them: its loss share,
+    correct count, training and transition times, store figures (bytes, objects) and memory
+    row."""
+
+    def __init__(self, loss_sum: torch.Tensor | float, correct: int, epoch_time: float,
+                 transition: float, held: list[float], memory: list[float]) -> None:
+        self.values = [float(loss_sum), float(correct), epoch_time, transition, *held, *memory]
+
+
+def epoch_record(comm: Comm, layout: Layout, epoch: int, mine: EpochFigures,
+                 norms: dict[int, float], cache: list[float], evaluation: tuple[bool, int, float],
+                 steps: int, samples: int) -> tuple[EpochRecord, dict[int, float]]:
+    """The epoch's record and its last interval's block norms merged over the ranks, from one
+    gather over them (the same on every rank).
+
+    Args:
+        comm: the run's communication.
+        layout: the layout the epoch ended under.
+        epoch: the epoch.
+        mine: this rank's figures.
+        norms: this rank's block norms of the epoch's last interval.
+        cache: the activation cache's counters reduced over the ranks
+            (:func:`pt_ray.runtime.prefix.epoch_counters`).
+        evaluation: whether the epoch ended with an evaluation, the eval set's size, and this
+            rank's seconds scoring it.
+        steps: the epoch's steps.
+        samples: the epoch's training samples (over every replica).
+    """
+    plan, world = layout.plan, layout.world
+    evaluated, eval_size, eval_time = evaluation
+    rows = comm.gather_values(mine.values + norm_row(norms, plan.num_layers))
+    loss_total, correct_total, held_bytes, held_objects = (
+        sum(r[i] for r in rows) for i in (0, 1, 4, 5))
+    epoch_time = max(r[2] for r in rows)
+    rec = EpochRecord(
+        epoch=epoch,
+        num_frozen=plan.num_frozen,
+        num_layers=plan.num_layers,
+        pipeline_length=plan.pipeline_length,
+        num_replicas=plan.num_replicas,
+        num_microbatches=plan.num_microbatches,
+        throughput_samples_per_s=samples / max(epoch_time, 1e-9),
+        epoch_time_s=epoch_time,
+        transition_time_s=max(r[3] for r in rows),
+        cache_hit_rate=float(cache[1] / cache[0]) if cache[0] else 0.0,
+        train_loss=loss_total / max(steps, 1),
+        eval_metric=correct_total / max(eval_size, 1) if evaluated else float("nan"),
+        eval_time_s=eval_time,
+        # Replicas run side by side: the wall time saved is the mean over them.
+        cache_saved_s=float(cache[2] / cache[3]) if cache[3] else 0.0,
+        cache_bytes=int(held_bytes),
+        cache_objects=int(held_objects),
+        cache_cost_ratio=float(cache[4] / cache[5]) if cache[5] else 0.0,
+        memory=rank_memory([v for r in rows for v in r[6:6 + len(FIELDS)]], world),
+    )
+    return rec, merge_block_norms([r[len(mine.values):] for r in rows])
+
+
+class StepReports:
+    """Every ``logging.every_steps`` steps, the step's record handed to ``report`` on every
+    rank (each report reduces the step's loss over WORLD, so every rank takes part).
+
+    Args:
+        every: steps between reports.
+        report: where the records go.
+        comm: the run's communication.
+        rank: this rank.
+    """
+
+    def __init__(self, every: int, report: Callable[[StepRecord], None], comm: Comm,
+                 rank: int) -> None:
+        self.window = StepWindow(every)
+        self.report = report
+        self.comm = comm
+        self.rank = rank
+
+    def after_step(self, mark: float, samples: int, loss: torch.Tensor | float,
+                   **fields) -> float:
+        """Count the step just taken in the throughput window and report it when due.
+
+        Args:
+            mark: when the step's wall time began (the previous step's end).
+            samples: the step's global batch.
+            loss: this rank's share of the step's loss.
+            fields: the record's other fields (``epoch``, ``global_step``, ``epoch_step``,
+                ``epoch_steps``, ``lr``, ``num_frozen``).
+
+        Returns:
+            The next step's ``mark``.
+        """
+        window = self.window
+        if not window.due(fields["global_step"]):
+            now = time.perf_counter()
+            window.add(samples, now - mark)
+            return now
+        # Only reporting steps read the loss back, which waits for the window's kernels: the
+        # window's wall time is the device's.
+        loss = float(loss)
+        now = time.perf_counter()
+        window.add(samples, now - mark)
+        # Last stages hold their replica's mean loss / R, other ranks 0: the sum is the mean
+        # over the global batch. Rank 0's window time comes along, so that every rank reports
+        # the same record (and makes the same reporting calls).
+        loss, seconds = self.comm.reduce_values(
+            [loss, window.seconds if self.rank == 0 else 0.0])
+        samples_per_s, window_s, window_steps = window.take(seconds)
+        self.report(StepRecord(train_loss=loss, samples_per_s=samples_per_s,
+                               window_s=window_s, window_steps=window_steps, **fields))
+        return now

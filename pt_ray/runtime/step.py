@@ -1,0 +1,196 @@
+"""One optimizer step of one rank on the layout in force.
+
+1. the global sampler's indices for the step; replica ``r`` of ``R`` takes its contiguous
+   slice (``B / R`` samples under ``fixed_global``); with ``optimizer.accumulation_steps`` A
+   the step is cut into A consecutive chunks first, step 2 runs once per chunk on the replica's
+   slice of it (``B / (A R)`` samples), and gradients sum in ``.grad`` across the passes;
+2. stage 0 runs the frozen prefix (``no_grad``, eval mode), or with the activation cache on
+   takes it from the cache for the whole replica batch before the schedule
+   (:class:`pt_ray.runtime.prefix.CachedPrefix`), then its active blocks; the schedule
+   (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
+   and the loss; K = 1 runs without a pipeline;
+3. gradients of trained parameters are averaged over the stage's data-parallel group (frozen ones
+   never are): at K = 1 by DDP over that group, during the last pass's backward; with a
+   pipeline, in buckets after the last pass; per-block gradient norms are recorded; the global
+   norm is clipped across stages (fp16: unscaled, and a step with an inf/nan anywhere is skipped
+   on every rank);
+4. the optimizer steps with the learning rate of the run's progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+import torch
+
+from pt_ray.core.config import RunConfig
+from pt_ray.data.base import DatasetSplits, gather
+from pt_ray.data.sampler import accumulation_chunks, split_for_replica
+from pt_ray.models.base import ModelAdapter
+from pt_ray.runtime.comm import Comm
+from pt_ray.runtime.layout import Layout, to_device_batch
+from pt_ray.runtime.norms import GradNormMeter
+from pt_ray.runtime.optim import lr_factor, set_lr
+from pt_ray.runtime.precision import LossScaler
+from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm
+
+__all__ = ["Stepper"]
+
+logger = logging.getLogger(__name__)
+
+
+class Stepper:
+    """Runs the steps of one rank and counts them.
+
+    Args:
+        cfg: the run configuration.
+        adapter: the model (its loss).
+        splits: the datasets (read by index).
+        comm: the run's communication.
+        norms: where each step's per-block gradient norms and loss share go.
+        scaler: the fp16 loss scaler, or None.
+        total_samples: the run's training samples (the learning-rate schedule's length).
+    """
+
+    def __init__(self, cfg: RunConfig, adapter: ModelAdapter, splits: DatasetSplits,
+                 comm: Comm, norms: GradNormMeter, scaler: LossScaler | None,
+                 total_samples: int) -> None:
+        self.cfg = cfg
+        self.adapter = adapter
+        self.splits = splits
+        self.comm = comm
+        self.norms = norms
+        self.scaler = scaler
+        self.total_samples = total_samples
+        self.layout: Layout | None = None  # set once the layout exists (it takes `loss`)
+        self.prefix: CachedPrefix | None = None
+        self.global_step = 0
+        self.samples_seen = 0
+        self.lr = cfg.optimizer.lr  # the last step's learning rate
+        self._weight = 1.0  # the current pass's share of the step (gradient accumulation)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from: the mean loss times the pass's share of the step
+        (gradient accumulation) and, under fp16, the loss scale."""
+        loss = self.adapter.loss(output, target)
+        if self._weight != 1.0:
+            loss = loss * self._weight
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def step(self, indices: np.ndarray) -> torch.Tensor | float:
+        """One optimizer step on the global batch ``indices``; returns this rank's share of the
+        replica-mean loss (a 0-d tensor on the device on last stages, 0.0 elsewhere), not read
+        back to the host.
+
+        With ``optimizer.accumulation_steps`` A > 1 the step runs as A passes over consecutive
+        chunks of ``indices``, cut as the reference trainer cuts them
+        (:func:`pt_ray.data.sampler.accumulation_chunks`): each pass runs this replica's share
+        of its chunk and leaves its gradients summed into ``.grad``; the data-parallel
+        reduction, norms, clipping and the step then run once.
+        """
+        layout, cfg = self.layout, self.cfg
+        r = layout.plan.num_replicas
+        per_replica = cfg.batch_policy == "per_replica"
+        scale = r if per_replica and cfg.optimizer.scale_lr_with_replicas else 1
+        progress = self.samples_seen / self.total_samples
+        self.lr = cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer)
+        set_lr(layout.optimizer, self.lr)
+        layout.optimizer.zero_grad(set_to_none=True)
+        parts = accumulation_chunks(len(indices), cfg.optimizer.accumulation_steps)
+        loss: torch.Tensor | float = 0.0
+        for c, part in enumerate(parts):
+            weight = 1.0 if len(parts) == 1 else (part.stop - part.start) / len(indices)
+            loss = loss + self._pass(indices[part], weight, sync=c == len(parts) - 1)
+        self.global_step += 1
+        self.samples_seen += len(indices)
+        share = loss / r if layout.topo.is_last_stage else 0.0
+        if self._reduce_and_clip():
+            self.norms.add_loss(share)
+            layout.optimizer.step()
+        return share
+
+    def _reduce_and_clip(self) -> bool:
+        """Average the gradients over the replicas (unless DDP did), record the per-block
+        norms and clip the global norm; False when fp16 found an inf/nan (the step is
+        skipped on every rank)."""
+        layout = self.layout
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        params = [p for p in layout.stage.parameters() if p.requires_grad]
+        if layout.ddp is None:  # DDP reduced them during backward
+            all_reduce_grads(self.comm, params, layout.topo.dp_group, layout.plan.num_replicas)
+        # One pass over the gradients gives the global norm and the per-block ones.
+        total, block_norms = clip_grad_norm(self.comm, params, self.cfg.optimizer.grad_clip,
+                                            layout.topo.pipeline_group, inv_scale=1.0 / scale,
+                                            blocks=layout.block_index)
+        if self.scaler is not None:
+            # The norm summed over the pipeline after the replicas' reduction: an inf/nan on any
+            # rank is seen by every rank, which all skip the step and back off alike.
+            found_inf = not bool(torch.isfinite(total))
+            self.scaler.update(found_inf)
+            if found_inf:
+                if layout.rank == 0:
+                    logger.info("step %d skipped: inf/nan gradient; loss scale %g -> %g",
+                                self.global_step - 1, scale, self.scaler.scale)
+                return False
+            if block_norms is not None:
+                block_norms = block_norms / scale
+        if block_norms is not None:
+            self.norms.add_vector(layout.block_index.first, block_norms)
+        else:
+            self.norms.add({})
+        return True
+
+    def _pass(self, chunk: np.ndarray, weight: float, sync: bool) -> torch.Tensor | float:
+        """Forward and backward of this replica's share of ``chunk`` (the whole step without
+        accumulation), adding to ``.grad``; returns this rank's part of the chunk's replica
+        loss times ``weight`` (as :meth:`step`).
+
+        Args:
+            chunk: the chunk's indices over all replicas.
+            weight: the chunk's share of the step, which scales its loss (1 / A).
+            sync: the step's last pass: only then does DDP reduce (earlier passes run under
+                ``no_sync``, so the summed gradients are reduced once).
+        """
+        layout = self.layout
+        plan, topo = layout.plan, layout.topo
+        mine = split_for_replica(chunk, topo.replica, plan.num_replicas)
+        first, last = topo.is_first_stage, topo.is_last_stage
+        batch = self._read(mine) if last else None
+        args = ()
+        if first and layout.stage.state_inputs:
+            args = self.prefix(plan.num_frozen, mine, self._loader(mine, batch))
+        elif first:
+            batch = batch if batch is not None else self._read(mine)
+            args = batch.inputs
+        self._weight = weight
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if layout.schedule is None:
+            quiet = layout.ddp is not None and not sync
+            with layout.ddp.no_sync() if quiet else contextlib.nullcontext():
+                value = self.loss((layout.ddp or layout.stage)(*args), batch.target)
+                value.backward()
+            return value.detach() / scale
+        if first:
+            layout.schedule.step(*args)
+            return 0.0
+        if last:
+            losses: list[torch.Tensor] = []
+            layout.schedule.step(target=batch.target, losses=losses)
+            # Each micro-batch's loss comes divided by M (build_schedule): their sum is the mean.
+            return torch.stack([loss.detach() for loss in losses]).sum() / scale
+        layout.schedule.step()
+        return 0.0
+
+    def _read(self, indices: np.ndarray):
+        """The training samples ``indices`` on this rank's device."""
+        return to_device_batch(gather(self.splits.train, indices.tolist()), self.layout.device)
+
+    def _loader(self, mine: np.ndarray, batch):
+        """``load(rows)``: model inputs of rows of the replica batch ``mine`` (from ``batch``
+        when this rank loaded it anyway, else read now: a cache hit loads nothing)."""
+        if batch is not None:
+            return lambda rows: tuple(t[torch.from_numpy(rows).to(t.device)] for t in batch.inputs)
+        return lambda rows: self._read(mine[rows]).inputs
