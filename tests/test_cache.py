@@ -14,7 +14,7 @@ from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler, training_sampler
 from pt_ray.costs.hwprofile import load_hardware
-from pt_ray.core.plan import CostTable, LayerCost, Planner
+from pt_ray.core.plan import CostTable, LayerCost, PaperPlanner, PlanSettings
 from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy
 from pt_ray.runtime.cache import Segment, distinct_figures
 from pt_ray.runtime.prefix import (
@@ -116,13 +116,13 @@ def test_break_even_and_the_paper_planner_threshold():
     # A read of 5 MB takes 2.5 ms: beats the prefix from 2 frozen blocks (embed + 2 x 1 ms).
     assert cache_break_even(costs(5e6), hw) == 2
     assert cache_break_even(costs(1e12), hw) is None
-    planner = Planner(2, costs(5e6), batch_size=8, cache_from=2)
+    planner = PaperPlanner(2, costs(5e6), PlanSettings(batch_size=8), cache_from=2)
     plan = planner.initial_plan()
     assert not plan.cache
     one = planner.next_plan(plan, 1)
     assert not one.cache and planner.next_plan(one, 3).cache
     with pytest.raises(ValueError, match="cache_from=0"):
-        Planner(2, costs(5e6), batch_size=8, cache_from=0)
+        PaperPlanner(2, costs(5e6), PlanSettings(batch_size=8), cache_from=0)
 
 
 def test_paper_policy_modes_reach_the_plans():
@@ -161,8 +161,10 @@ def test_cache_read_factor_counts_whole_blocks_past_the_memo():
 def test_cost_planner_keeps_the_cache_off_where_whole_block_reads_cost_more_and_says_so():
     hw = load_hardware("local-cpu")
     c = costs(5e5)  # a 0.25 ms read per row against 3 ms of prefix at 2 frozen blocks
-    fits = CostModelPlanner(2, c, hw, batch_size=8, cache_layout=CacheLayout(1000, 64, 2**30))
-    tight = CostModelPlanner(2, c, hw, batch_size=8, cache_layout=CacheLayout(1000, 64, 2**20))
+    fits = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8),
+                            cache_layout=CacheLayout(1000, 64, 2**30))
+    tight = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8),
+                             cache_layout=CacheLayout(1000, 64, 2**20))
     on = fits.next_plan(fits.initial_plan(), 2)
     off = tight.next_plan(tight.initial_plan(), 2)
     assert on.cache and not off.cache
@@ -173,7 +175,7 @@ def test_cost_planner_keeps_the_cache_off_where_whole_block_reads_cost_more_and_
     assert "the cache (476.8 MiB) outgrows a worker's memo (1 MiB, cache.worker_memo_bytes)" \
         in reason and "blocks whole" in reason
     # Without a layout (reads of the rows alone) the same costs cache.
-    assert CostModelPlanner(2, c, hw, batch_size=8).next_plan(on, 3).cache
+    assert CostModelPlanner(2, c, hw, PlanSettings(batch_size=8)).next_plan(on, 3).cache
 
 
 def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
@@ -192,8 +194,8 @@ def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
 def test_cost_planner_min_frozen_floor():
     hw = load_hardware("local-cpu")
     c = costs(8.0)  # reads nearly free: auto would cache from the first frozen block
-    free = CostModelPlanner(2, c, hw, batch_size=8, cache="auto")
-    floor = CostModelPlanner(2, c, hw, batch_size=8, cache="auto", cache_min_frozen=3)
+    free = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8), cache="auto")
+    floor = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8), cache="auto", cache_min_frozen=3)
     p0 = free.initial_plan()
     assert free.next_plan(p0, 1).cache
     assert not floor.next_plan(p0, 2).cache and floor.next_plan(p0, 3).cache

@@ -1,7 +1,7 @@
 """The cost model: schedules whose bubble emerges, communication formulas, analytic costs,
 hardware profiles, calibration, and the planner that chooses by prediction."""
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -22,7 +22,7 @@ from pt_ray.costs.costmodel import (
 )
 from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.costs.pipesim import run_schedule, stage_order
-from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner
+from pt_ray.core.plan import CostTable, LayerCost, PaperPlanner, Plan, PlanSettings
 from pt_ray.core.shapes import layer_shapes, model_shape, saved_activation_factor
 
 pytestmark = pytest.mark.unit
@@ -226,13 +226,18 @@ def test_fit_efficiency_hits_a_target_step_time():
 # -- the planner by prediction --------------------------------------------------------------------
 
 
+PLAN_FIELDS = {f.name for f in fields(PlanSettings)}
+
+
 def vit_planner(n=8, **kw):
     hw = load_hardware("paper-rtx5000")
     shape = model_shape("vit_base_patch16_224")
     args = dict(batch_size=128, batch_policy="per_replica", schedule="gpipe",
                 initial_pipeline_length=n, memory_budget=1e12)
     args.update(kw)
-    return CostModelPlanner(n, analytic_costs(shape, hw), hw, **args), hw
+    settings = PlanSettings(**{k: v for k, v in args.items() if k in PLAN_FIELDS})
+    own = {k: v for k, v in args.items() if k not in PLAN_FIELDS}
+    return CostModelPlanner(n, analytic_costs(shape, hw), hw, settings, **own), hw
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -240,11 +245,11 @@ def test_model_choice_is_never_slower_than_the_paper_rule(schedule):
     hw = load_hardware("paper-rtx5000")
     shape = model_shape("vit_base_patch16_224")
     costs = analytic_costs(shape, hw)
-    args = dict(batch_size=400, batch_policy="per_replica", schedule=schedule,
-                initial_pipeline_length=8)
-    cost = CostModelPlanner(16, costs, hw, cache="off",
-                            activation_memory_factor=saved_activation_factor(shape), **args)
-    rule = Planner(16, costs, **args)
+    settings = PlanSettings(batch_size=400, batch_policy="per_replica", schedule=schedule,
+                            initial_pipeline_length=8)
+    cost = CostModelPlanner(16, costs, hw, settings, cache="off",
+                            activation_memory_factor=saved_activation_factor(shape))
+    rule = PaperPlanner(16, costs, settings)
     mine, paper = cost.initial_plan(), rule.initial_plan()
     gains = []
     for n in range(12):
@@ -330,9 +335,9 @@ def test_accumulation_passes_repeat_the_schedule_then_reduce_once():
     assert three.pipeline_s == pytest.approx(3 * one.pipeline_s)
     assert three.samples == 3 * one.samples == 24
     # The planner predicts a step of B = 64 over 2 replicas in 2 passes of 16 samples each.
-    planner = CostModelPlanner(4, uniform(), hw, batch_size=64, schedule="gpipe",
-                               initial_pipeline_length=2, accumulation_steps=2,
-                               memory_budget=1e12)
+    planner = CostModelPlanner(4, uniform(), hw, PlanSettings(
+        batch_size=64, schedule="gpipe", initial_pipeline_length=2, accumulation_steps=2,
+        memory_budget=1e12))
     first = planner.initial_plan()
     assert 16 % first.num_microbatches == 0
     assert planner.predict(first) == step_time(first, uniform(), hw, 16, passes=2)
@@ -351,7 +356,7 @@ def test_control_state_sizes_plans_for_one_pass():
         state = build_control_state(cfg, 4, 2, 10)
         state.submit_costs(0, uniform(4))
         state.submit_costs(1, uniform(4))
-        assert state.planner.accumulation_steps == 4
+        assert state.planner.settings.accumulation_steps == 4
         assert state.planner.replica_batch(1) == 8
         assert 8 % state.plan_for(0).num_microbatches == 0
 
@@ -370,8 +375,9 @@ def test_1f1b_plans_never_have_fewer_microbatches_than_stages():
     hw = load_hardware("local-cpu")
     costs = analytic_costs(model_shape("vit_tiny_patch16_224", num_layers=6), hw)
     for schedule in ("1f1b", "gpipe"):
-        planner = CostModelPlanner(4, costs, hw, batch_size=16, schedule=schedule,
-                                   initial_pipeline_length=4, cache="on", memory_budget=1e12)
+        planner = CostModelPlanner(4, costs, hw, PlanSettings(
+            batch_size=16, schedule=schedule, initial_pipeline_length=4, memory_budget=1e12),
+            cache="on")
         plan = planner.initial_plan()
         for n in range(1, 6):
             plan = planner.next_plan(plan, n)
@@ -379,9 +385,10 @@ def test_1f1b_plans_never_have_fewer_microbatches_than_stages():
                 assert plan.num_microbatches >= plan.pipeline_length
     # A replica batch too small to fill the stages is refused with the fix named.
     with pytest.raises(ValueError, match="cannot fill 4 pipeline stages.*schedule=gpipe"):
-        CostModelPlanner(4, costs, hw, batch_size=2, schedule="1f1b", initial_pipeline_length=4)
+        CostModelPlanner(4, costs, hw, PlanSettings(batch_size=2, schedule="1f1b",
+                                                    initial_pipeline_length=4))
     with pytest.raises(ValueError, match="cannot fill 4 pipeline stages"):
-        Planner(4, costs, batch_size=2, schedule="1f1b").initial_plan()
+        PaperPlanner(4, costs, PlanSettings(batch_size=2, schedule="1f1b")).initial_plan()
 
 
 # -- activation checkpointing -----------------------------------------------------------------
@@ -401,9 +408,9 @@ def test_checkpointing_lowers_the_memory_estimate_and_raises_the_step_time():
     # K = 2 over 4 uniform blocks, GPipe, M = 4 micro-batches of 2 samples; 24 outputs' worth
     # of activations a block, 100 bytes an output, 1000 parameter bytes (x4 with AdamW).
     planners = {
-        on: CostModelPlanner(2, uniform(4), IDEAL, batch_size=8, schedule="gpipe",
-                             initial_pipeline_length=2, num_microbatches=4, memory_budget=1e12,
-                             activation_memory_factor=24.0, activation_checkpointing=on)
+        on: CostModelPlanner(2, uniform(4), IDEAL, PlanSettings(
+            batch_size=8, schedule="gpipe", initial_pipeline_length=2, num_microbatches=4,
+            memory_budget=1e12, activation_checkpointing=on), activation_memory_factor=24.0)
         for on in (False, True)}
     plans = {on: p.initial_plan() for on, p in planners.items()}
     assert plans[True].activation_checkpointing and not plans[False].activation_checkpointing
@@ -444,9 +451,9 @@ def test_measured_saved_bytes_replace_the_factor_in_the_memory_estimate():
         blocks=tuple(replace(b, saved_bytes=700.0) for b in measured.blocks),
         head=replace(measured.head, saved_bytes=50.0))
     planners = {
-        on: CostModelPlanner(2, measured, IDEAL, batch_size=8, schedule="gpipe",
-                             initial_pipeline_length=2, num_microbatches=4, memory_budget=1e12,
-                             activation_memory_factor=24.0, activation_checkpointing=on)
+        on: CostModelPlanner(2, measured, IDEAL, PlanSettings(
+            batch_size=8, schedule="gpipe", initial_pipeline_length=2, num_microbatches=4,
+            memory_budget=1e12, activation_checkpointing=on), activation_memory_factor=24.0)
         for on in (False, True)}
     plans = {on: p.initial_plan() for on, p in planners.items()}
     # 8 samples in flight per stage (GPipe, 4 micro-batches of 2).

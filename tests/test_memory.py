@@ -18,7 +18,7 @@ from pt_ray.data.registry import build_dataset
 from pt_ray.core.freeze import build_freeze_policy
 from pt_ray.costs.hwprofile import load_hardware
 from pt_ray.models.base import iter_layers
-from pt_ray.core.plan import CostTable, LayerCost, Planner, is_trainable
+from pt_ray.core.plan import CostTable, LayerCost, PaperPlanner, PlanSettings, is_trainable
 from pt_ray.core.memory import MemoryModel
 from pt_ray.reporting.report import format_table, memory_table
 from pt_ray.runtime.engine import ElasticWorker, LocalController
@@ -72,29 +72,30 @@ def literal_costs() -> CostTable:
 
 @pytest.mark.unit
 def test_paper_planner_estimate_for_a_literal_plan():
-    planner = Planner(2, literal_costs(), batch_size=8, schedule="gpipe",
-                      initial_pipeline_length=2)
+    planner = PaperPlanner(2, literal_costs(), PlanSettings(batch_size=8, schedule="gpipe",
+                                                            initial_pipeline_length=2))
     plan = planner.initial_plan()
     assert plan.boundaries == (0, 2, 4)
     # Every active layer: 4 x its parameters + its output for each of the 8 samples (GPipe
     # keeps the whole replica batch).
     stage0 = 4 * 100 + 8 * 1 + 2 * (4 * 10 + 8 * 2)
     stage1 = 2 * (4 * 10 + 8 * 2) + 4 * 50 + 8 * 3
-    assert planner.plan_memory(plan) == [stage0, stage1]
+    assert planner.stage_memory(plan) == [stage0, stage1]
     # Embed and blocks 0-1 frozen (their parameters only); K 1, R 2: 4 samples a replica.
     frozen = planner.next_plan(plan, 2)
     assert (frozen.pipeline_length, frozen.num_replicas) == (1, 2)
-    assert planner.plan_memory(frozen) == [
+    assert planner.stage_memory(frozen) == [
         100 + 2 * 10 + 2 * (4 * 10 + 4 * 2) + 4 * 50 + 4 * 3]
     # The memory rule and the record's estimate are one computation.
-    assert planner.plan_memory(plan) == planner.stage_memory(
+    assert planner.stage_memory(plan) == planner._stage_memory(
         planner._partition(0, 2), 0, 2)
 
 
 @pytest.mark.unit
 def test_cost_planner_estimate_for_a_literal_plan():
-    planner = CostModelPlanner(2, literal_costs(), load_hardware("local-cpu"), batch_size=8,
-                               schedule="gpipe", initial_pipeline_length=2, num_microbatches=2,
+    planner = CostModelPlanner(2, literal_costs(), load_hardware("local-cpu"),
+                               PlanSettings(batch_size=8, schedule="gpipe",
+                                            initial_pipeline_length=2, num_microbatches=2),
                                activation_memory_factor=5.0)
     plan = planner.initial_plan()
     assert (plan.boundaries, plan.num_microbatches) == ((0, 2, 4), 2)
@@ -103,8 +104,7 @@ def test_cost_planner_estimate_for_a_literal_plan():
     acts = 8 * 5
     stage0 = 4 * 100 + 1 * acts + 2 * (4 * 10 + 2 * acts)
     stage1 = 2 * (4 * 10 + 2 * acts) + 4 * 50 + 3 * 8
-    assert planner.plan_memory(plan) == pytest.approx([stage0, stage1])
-    assert planner.plan_memory(plan) == planner.stage_memory(plan)
+    assert planner.stage_memory(plan) == pytest.approx([stage0, stage1])
 
 
 def rank_row(rank: int, stage: int) -> RankMemory:
@@ -115,8 +115,8 @@ def rank_row(rank: int, stage: int) -> RankMemory:
 
 @pytest.mark.unit
 def test_controller_sets_the_plans_estimate_beside_each_ranks_figures():
-    planner = Planner(2, literal_costs(), batch_size=8, schedule="gpipe",
-                      initial_pipeline_length=2)
+    planner = PaperPlanner(2, literal_costs(), PlanSettings(batch_size=8, schedule="gpipe",
+                                                            initial_pipeline_length=2))
     state = ControlState(2, build_freeze_policy("none", num_layers=4, alpha=0.5),
                          lambda costs: planner)
     state.submit_costs(0, literal_costs())
@@ -126,7 +126,7 @@ def test_controller_sets_the_plans_estimate_beside_each_ranks_figures():
                       memory=(rank_row(0, 0), rank_row(1, 1)))
     state.record(rec)
     got = state.timeline[0].memory
-    assert [m.estimate_bytes for m in got] == planner.plan_memory(state.plans[0])
+    assert [m.estimate_bytes for m in got] == planner.stage_memory(state.plans[0])
     # A record whose layout is not the plan's gets no estimate rather than a wrong one.
     state.record(replace(rec, epoch=1, pipeline_length=1, num_replicas=2))
     assert [m.estimate_bytes for m in state.timeline[1].memory] == [0.0, 0.0]
@@ -193,7 +193,7 @@ def train_and_record(rank, world, cfg):
     sizes = {name: sum(p.numel() * p.element_size() for p in module.parameters())
              for name, module in iter_layers(adapter)}
     tensors = {name: len(list(module.parameters())) for name, module in iter_layers(adapter)}
-    estimates = [control.planner.plan_memory(p) for p in plans]
+    estimates = [control.planner.stage_memory(p) for p in plans]
     return control.timeline, plans, sizes, tensors, estimates
 
 
@@ -256,12 +256,13 @@ def test_one_memory_model_weighs_both_planners_stages():
     assert saved.stage_bytes(costs, (0, 2, 4), 0, [4, 4])[1] == (
         2 * (4 * 10 + 4 * 10) + 4 * 50 + 4 * 3)
     # The planners hold that model, configured from their own arguments.
-    paper = Planner(2, costs, batch_size=8, schedule="gpipe", initial_pipeline_length=2)
+    paper = PaperPlanner(2, costs, PlanSettings(batch_size=8, schedule="gpipe",
+                                                initial_pipeline_length=2))
     assert paper.memory_model == MemoryModel(optimizer_state_factor=4.0, frozen_param_factor=1.0)
-    cost = CostModelPlanner(2, costs, load_hardware("local-cpu"), batch_size=8, schedule="gpipe",
-                            initial_pipeline_length=2, num_microbatches=2,
-                            activation_memory_factor=5.0)
+    cost = CostModelPlanner(2, costs, load_hardware("local-cpu"), PlanSettings(
+        batch_size=8, schedule="gpipe", initial_pipeline_length=2, num_microbatches=2),
+        activation_memory_factor=5.0)
     assert cost.memory_model == saved
     plan = cost.initial_plan()
-    assert cost.plan_memory(plan) == saved.stage_bytes(costs, plan.boundaries, 0, [8, 8],
+    assert cost.stage_memory(plan) == saved.stage_bytes(costs, plan.boundaries, 0, [8, 8],
                                                        per_microbatch=4)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner, replica_batch
+from pt_ray.core.plan import CostTable, LayerCost, PaperPlanner, Plan, PlanSettings, replica_batch
 
 pytestmark = pytest.mark.unit
 
@@ -11,7 +11,8 @@ VIT_B16_C100 = CostTable.from_param_counts(0.743, [7.088] * 12, 0.077)
 
 def paper_planner(n=8):
     # The 2021 code: parameter counts as costs, frozen layers weighing zero.
-    return Planner(n, VIT_B16_C100, batch_size=64, frozen_weight=0.0, optimizer_state_factor=1.0)
+    return PaperPlanner(n, VIT_B16_C100, PlanSettings(batch_size=64, optimizer_state_factor=1.0),
+                        frozen_weight=0.0)
 
 
 def test_paper_rule_reproduces_vit_b16_pipeline_lengths():
@@ -65,7 +66,7 @@ def test_measured_frozen_cost_counts_on_stage_zero():
     # Frozen blocks cost their forward (1 of 3 units) on stage 0: with 6 frozen blocks the
     # prefix weighs 6 and stage 0 gets fewer active blocks than an even split.
     costs = CostTable.from_param_counts(0.0, [1.0] * 12, 0.0)
-    planner = Planner(2, costs, batch_size=8)
+    planner = PaperPlanner(2, costs, PlanSettings(batch_size=8))
     plan = planner.next_plan(planner.initial_plan(), 6)
     # Even without a budget change the shrink to K=1 is impossible (more memory per stage),
     # so K stays 2 with the prefix's forward balanced against active blocks.
@@ -80,20 +81,21 @@ def test_memory_budget_controls_shrinking():
         blocks=tuple(LayerCost(1, 2, 0, 100) for _ in range(4)),
         head=LayerCost(1, 2, 0, 10),
     )
-    tight = Planner(4, costs, batch_size=8, optimizer_state_factor=1.0)
-    roomy = Planner(4, costs, batch_size=8, optimizer_state_factor=1.0, memory_budget=1e9)
+    tight = PaperPlanner(4, costs, PlanSettings(batch_size=8, optimizer_state_factor=1.0))
+    roomy = PaperPlanner(4, costs, PlanSettings(batch_size=8, optimizer_state_factor=1.0,
+                                                memory_budget=1e9))
     plan = tight.initial_plan()
     assert tight.next_plan(plan, 2).pipeline_length == 2
     assert roomy.next_plan(roomy.initial_plan(), 1).pipeline_length == 1
 
 
 def test_microbatches_divide_replica_batch():
-    planner = Planner(4, VIT_B16_C100, batch_size=48)
+    planner = PaperPlanner(4, VIT_B16_C100, PlanSettings(batch_size=48))
     for k, r in ((4, 1), (2, 2), (1, 4)):
         m = planner.microbatches_for(k, r)
         assert (48 // r) % m == 0
         assert m == 1 if k == 1 else 1 < m <= 4 * k
-    forced = Planner(4, VIT_B16_C100, batch_size=48, num_microbatches=3)
+    forced = PaperPlanner(4, VIT_B16_C100, PlanSettings(batch_size=48, num_microbatches=3))
     assert forced.microbatches_for(2, 2) == 3
 
 
@@ -103,24 +105,25 @@ def test_accumulation_sizes_microbatches_and_memory_for_one_pass():
     # so M is the largest divisor of 12 up to 4K = 8 (6), not of the step's 24 (8); memory is
     # a planner's without accumulation at B = 24.
     costs = CostTable.from_param_counts(1.0, [1.0] * 4, 1.0)
-    two = Planner(4, costs, batch_size=48, accumulation_steps=2)
-    whole, half = Planner(4, costs, batch_size=48), Planner(4, costs, batch_size=24)
+    two = PaperPlanner(4, costs, PlanSettings(batch_size=48, accumulation_steps=2))
+    whole, half = PaperPlanner(4, costs, PlanSettings(batch_size=48)), PaperPlanner(4, costs,
+                                                                                    PlanSettings(batch_size=24))
     assert two.replica_batch(2) == 12 and whole.replica_batch(2) == 24
     assert two.microbatches_for(2, 2) == 6 and whole.microbatches_for(2, 2) == 8
     part = two._partition(1, 2)
-    assert two.stage_memory(part, 1, 2) == half.stage_memory(part, 1, 2)
+    assert two._stage_memory(part, 1, 2) == half._stage_memory(part, 1, 2)
     assert two.replan(two.initial_plan(), 2).num_microbatches == half.replan(
         half.initial_plan(), 2).num_microbatches
     # Passes too small to fill a 1F1B pipeline: the fix names the accumulation too.
     with pytest.raises(ValueError, match=r"a replica batch of 2 per pass \(optimizer\."
                        r"accumulation_steps=4\) cannot fill 4 pipeline stages .* lower "
                        r"optimizer\.accumulation_steps"):
-        Planner(4, costs, batch_size=8, accumulation_steps=4).initial_plan()
+        PaperPlanner(4, costs, PlanSettings(batch_size=8, accumulation_steps=4)).initial_plan()
 
 
 def test_bad_initial_pipeline_length():
     with pytest.raises(ValueError, match="does not divide num_workers=8"):
-        Planner(8, VIT_B16_C100, batch_size=8, initial_pipeline_length=3)
+        PaperPlanner(8, VIT_B16_C100, PlanSettings(batch_size=8, initial_pipeline_length=3))
 
 
 def test_replan_for_fewer_workers_keeps_frozen_prefix():
@@ -132,7 +135,8 @@ def test_replan_for_fewer_workers_keeps_frozen_prefix():
 
 
 def test_pinned_pipeline_keeps_k_and_r_and_rebalances():
-    planner = Planner(8, VIT_B16_C100, batch_size=64, initial_pipeline_length=4, elastic=False)
+    planner = PaperPlanner(8, VIT_B16_C100, PlanSettings(batch_size=64, initial_pipeline_length=4,
+                                                         elastic=False))
     plan = planner.initial_plan()
     for n in (2, 5, 8):
         plan = planner.next_plan(plan, n)
@@ -142,7 +146,7 @@ def test_pinned_pipeline_keeps_k_and_r_and_rebalances():
     with pytest.raises(ValueError, match=r"freeze at most 8 blocks.*pipeline.elastic=true"):
         planner.next_plan(plan, 9)
     # The elastic planner shrinks K for the same freeze.
-    elastic = Planner(8, VIT_B16_C100, batch_size=64, initial_pipeline_length=4)
+    elastic = PaperPlanner(8, VIT_B16_C100, PlanSettings(batch_size=64, initial_pipeline_length=4))
     assert elastic.next_plan(elastic.initial_plan(), 8).pipeline_length < 4
 
 
@@ -179,5 +183,6 @@ def test_one_replica_batch_for_both_policies_and_accumulation():
     assert replica_batch(2, 4) == 1  # never an empty pass
     # Both planners split the batch with it.
     costs = CostTable.from_param_counts(1.0, [1.0] * 4, 1.0)
-    planner = Planner(4, costs, batch_size=48, batch_policy="per_replica", accumulation_steps=3)
+    planner = PaperPlanner(4, costs, PlanSettings(batch_size=48, batch_policy="per_replica",
+                                                  accumulation_steps=3))
     assert planner.replica_batch(2) == replica_batch(48, 2, "per_replica", 3) == 16

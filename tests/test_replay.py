@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from pt_ray.core.plan import CostTable, LayerCost
+from pt_ray.core.plan import CostTable, LayerCost, PlanSettings
 from pt_ray.costs.costmodel import load_hardware, step_time, transition_time
 from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.costs.replay import epoch_ends, eval_time, recorded_plan, replay_epochs, solve_overhead
@@ -22,8 +22,8 @@ def costs(samples: int = 8) -> CostTable:
 
 def test_a_recorded_plan_is_cut_as_the_cost_planner_cuts_it():
     hw = load_hardware("local-cpu")
-    planner = CostModelPlanner(2, costs(), hw, batch_size=16, initial_pipeline_length=2,
-                               num_microbatches=2, memory_budget=1e12)
+    planner = CostModelPlanner(2, costs(), hw, PlanSettings(
+        batch_size=16, initial_pipeline_length=2, num_microbatches=2, memory_budget=1e12))
     for n, cache in ((0, False), (1, False), (1, True), (2, True)):
         got = recorded_plan(costs(), hw, n, 2, 1, 2, "1f1b", cache)
         want = planner._layout(n, 2, 2, cache, planner._partition(n, 2, cache))

@@ -22,7 +22,15 @@ from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.core.freeze import FreezeGuard, FreezePolicy, build_freeze_policy
 from pt_ray.costs.hwprofile import HardwareProfile, load_hardware
-from pt_ray.core.plan import CostTable, LayerCost, Plan, Planner, replica_batch
+from pt_ray.core.plan import (
+    CostTable,
+    LayerCost,
+    PaperPlanner,
+    Plan,
+    Planner,
+    PlanSettings,
+    replica_batch,
+)
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
@@ -219,7 +227,7 @@ class ControlState:
         if layout != (rec.num_frozen, rec.pipeline_length, rec.num_replicas,
                       rec.num_microbatches):
             return rec
-        estimate = self.planner.plan_memory(plan)
+        estimate = self.planner.stage_memory(plan)
         return replace(rec, memory=tuple(replace(m, estimate_bytes=float(estimate[m.stage]))
                                          for m in rec.memory))
 
@@ -455,29 +463,23 @@ def build_control_state(
         hardware = p.hardware
     hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
 
-    def make_planner(costs: CostTable) -> Planner | CostModelPlanner:
+    # pipeline_length=auto: the cost planner starts at the K it predicts fastest among those
+    # whose stages fit a device (a model that fits one device need not start as a pipeline).
+    choose_start = p.pipeline_length == "auto" and p.elastic and p.policy != "paper"
+    settings = PlanSettings(
+        batch_size=cfg.data.batch_size, batch_policy=cfg.batch_policy, schedule=p.schedule,
+        initial_pipeline_length=None if choose_start else k0, num_microbatches=forced_m,
+        memory_budget=budget, elastic=p.elastic,
+        accumulation_steps=cfg.optimizer.accumulation_steps,
+        activation_checkpointing=p.activation_checkpointing)
+
+    def make_planner(costs: CostTable) -> Planner:
         if p.policy == "paper":
-            return Planner(num_workers, costs, batch_size=cfg.data.batch_size,
-                           batch_policy=cfg.batch_policy, schedule=p.schedule,
-                           initial_pipeline_length=k0, num_microbatches=forced_m,
-                           memory_budget=budget,
-                           cache_from=_paper_cache_from(cfg, cache.mode, costs, hw, layout,
-                                                        num_workers),
-                           elastic=p.elastic,
-                           accumulation_steps=cfg.optimizer.accumulation_steps,
-                           activation_checkpointing=p.activation_checkpointing)
-        # pipeline_length=auto: the start K the cost model predicts fastest among those whose
-        # stages fit a device (a model that fits one device need not start as a pipeline).
-        choose_start = p.pipeline_length == "auto" and p.elastic
-        planner = CostModelPlanner(
-            num_workers, costs, hw, batch_size=cfg.data.batch_size,
-            batch_policy=cfg.batch_policy, schedule=p.schedule,
-            initial_pipeline_length=None if choose_start else k0,
-            num_microbatches=forced_m, memory_budget=budget, cache=cache.mode,
-            cache_min_frozen=cfg.cache.min_frozen or 1, cache_layout=layout, elastic=p.elastic,
-            accumulation_steps=cfg.optimizer.accumulation_steps,
-            activation_checkpointing=p.activation_checkpointing,
-        )
+            return PaperPlanner(num_workers, costs, settings, cache_from=_paper_cache_from(
+                cfg, cache.mode, costs, hw, layout, num_workers))
+        planner = CostModelPlanner(num_workers, costs, hw, settings, cache=cache.mode,
+                                   cache_min_frozen=cfg.cache.min_frozen or 1,
+                                   cache_layout=layout)
         if budget is None:
             # By default (as the paper) a stage may hold what the largest stage held at the start.
             planner.memory_budget = max(planner.stage_memory(planner.initial_plan()))

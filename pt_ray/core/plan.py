@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from pt_ray.core.memory import MemoryModel
 from pt_ray.core.partition import Partition, partition
@@ -24,7 +24,9 @@ from pt_ray.core.partition import Partition, partition
 __all__ = [
     "CostTable",
     "LayerCost",
+    "PaperPlanner",
     "Plan",
+    "PlanSettings",
     "Planner",
     "Transfer",
     "divisors",
@@ -257,60 +259,105 @@ def pinned_length(k: int, active: int, num_frozen: int) -> int:
     return k
 
 
-class Planner:
+@dataclass(frozen=True)
+class PlanSettings:
+    """What every planner is told about the run.
+
+    Attributes:
+        batch_size: ``data.batch_size``.
+        batch_policy: ``fixed_global`` (each replica takes B / R) or ``per_replica`` (each B).
+        schedule: pipeline schedule for every plan.
+        initial_pipeline_length: K at the start; None: the planner's own choice (the paper's
+            rule: N; the cost planner: the fastest predicted K that fits).
+        num_microbatches: force M for every K > 1; None: chosen per K.
+        memory_budget: most bytes one stage may hold; None: the planner's default.
+        optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
+            gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
+        elastic: False pins K at the initial plan's (and R = N / K with it) as blocks freeze:
+            the frozen prefix still moves onto stage 0 and the active blocks are re-partitioned
+            over the same K stages (the paper's "freeze only" ablation). At most L - K blocks
+            may then freeze, so that every stage keeps a trainable block.
+        accumulation_steps: A, passes per optimizer step (``optimizer.accumulation_steps``):
+            a pass takes 1 / A of the replica's batch, and M and the memory are sized for it.
+        activation_checkpointing: plans recompute every trainable block's forward in its
+            backward; the partition weighs that forward (:meth:`CostTable.with_recompute`).
+    """
+
+    batch_size: int
+    batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global"
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    initial_pipeline_length: int | None = None
+    num_microbatches: int | None = None
+    memory_budget: float | None = None
+    optimizer_state_factor: float = 4.0
+    elastic: bool = True
+    accumulation_steps: int = 1
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={self.accumulation_steps} must be at least 1")
+
+    def replica_batch(self, num_replicas: int) -> int:
+        """Samples one replica processes per pass (:func:`replica_batch`)."""
+        return replica_batch(self.batch_size, num_replicas, self.batch_policy,
+                             self.accumulation_steps)
+
+
+class Planner(Protocol):
+    """What the controller asks of a planner (:class:`PaperPlanner`, or
+    :class:`pt_ray.costs.costplan.CostModelPlanner`)."""
+
+    num_workers: int
+    costs: CostTable
+    settings: PlanSettings
+    memory_budget: float
+    initial_pipeline_length: int
+
+    def initial_plan(self) -> Plan:
+        """Generation 0: nothing frozen."""
+
+    def next_plan(self, prev: Plan, num_frozen: int) -> Plan:
+        """The plan after the frozen prefix grows to ``num_frozen`` (``prev`` when nothing
+        changes)."""
+
+    def replan(self, prev: Plan, num_workers: int) -> Plan:
+        """A plan for a different device count, keeping ``num_frozen``."""
+
+    def stage_memory(self, plan: Plan) -> list[float]:
+        """The planner's predicted peak bytes per stage of ``plan``."""
+
+    def cache_reason(self, plan: Plan) -> str:
+        """Why ``plan`` reads the cache or not, in one line."""
+
+    def replica_batch(self, num_replicas: int) -> int:
+        """Samples one replica processes per pass."""
+
+
+class PaperPlanner:
     """Chooses Plans by the paper's rule over an exact partition of measured costs.
 
     Args:
         num_workers: N, devices in use.
         costs: per-layer costs (profiled at start; parameter counts only as a fallback).
-        batch_size: ``data.batch_size``.
-        batch_policy: ``fixed_global`` (each replica takes B / R) or ``per_replica`` (each takes B).
-        schedule: pipeline schedule for every plan.
-        initial_pipeline_length: K at the start; None: N (one pipeline over all devices).
-        num_microbatches: force M for every K > 1; None: chosen per K.
-        memory_budget: most bytes one stage may hold; None: the largest stage of the initial plan.
+        settings: what every planner is told (``initial_pipeline_length`` None: N, one
+            pipeline over all devices; ``memory_budget`` None: the largest stage of the initial
+            plan). The memory estimate is the same with activation checkpointing: it already
+            counts one output per sample for each active layer, which is what a checkpointed
+            block keeps.
         frozen_weight: a frozen layer's time as a fraction of its forward time (1: it runs its
             forward; 0: ignored, which is what the 2021 code did in effect).
-        optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
-            gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
         cache_from: turn the activation cache on in plans with at least this many frozen
             blocks (the paper's code: 3); None: never. While the cache serves it, the frozen
             prefix weighs nothing on stage 0.
-        elastic: False pins K at ``initial_pipeline_length`` (and R = N / K with it) as blocks
-            freeze: the frozen prefix still moves onto stage 0 and the active blocks are
-            re-partitioned over the same K stages (the paper's "freeze only" ablation). At most
-            L - K blocks may then freeze, so that every stage keeps a trainable block.
-        accumulation_steps: A, passes per optimizer step (``optimizer.accumulation_steps``):
-            a pass takes 1 / A of the replica's batch, and M and the memory are sized for it.
-        activation_checkpointing: plans recompute every trainable block's forward in its
-            backward; the partition weighs that forward (:meth:`CostTable.with_recompute`). The
-            memory estimate is unchanged: it already counts one output per sample for each
-            active layer, which is what a checkpointed block keeps.
     """
 
-    def __init__(
-        self,
-        num_workers: int,
-        costs: CostTable,
-        *,
-        batch_size: int,
-        batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global",
-        schedule: Literal["gpipe", "1f1b"] = "1f1b",
-        initial_pipeline_length: int | None = None,
-        num_microbatches: int | None = None,
-        memory_budget: float | None = None,
-        frozen_weight: float = 1.0,
-        optimizer_state_factor: float = 4.0,
-        cache_from: int | None = None,
-        elastic: bool = True,
-        accumulation_steps: int = 1,
-        activation_checkpointing: bool = False,
-    ) -> None:
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps} must be at least 1")
+    def __init__(self, num_workers: int, costs: CostTable, settings: PlanSettings, *,
+                 frozen_weight: float = 1.0, cache_from: int | None = None) -> None:
         if cache_from is not None and cache_from < 1:
             raise ValueError(f"cache_from={cache_from} must be at least 1 (a frozen block) or None")
-        k0 = num_workers if initial_pipeline_length is None else initial_pipeline_length
+        k0 = num_workers if settings.initial_pipeline_length is None \
+            else settings.initial_pipeline_length
         if num_workers % k0:
             raise ValueError(
                 f"pipeline_length={k0} does not divide num_workers={num_workers}; "
@@ -323,32 +370,24 @@ class Planner:
                 f"{[d for d in divisors(num_workers) if d <= costs.num_layers]}"
             )
         self.num_workers = num_workers
-        self.activation_checkpointing = activation_checkpointing
-        self.costs = costs.with_recompute() if activation_checkpointing else costs
-        self.batch_size = batch_size
-        self.batch_policy = batch_policy
-        self.schedule = schedule
+        self.settings = settings
+        self.costs = costs.with_recompute() if settings.activation_checkpointing else costs
         self.initial_pipeline_length = k0
-        self.forced_microbatches = num_microbatches
         self.frozen_weight = frozen_weight
-        self.optimizer_state_factor = optimizer_state_factor
         self.cache_from = cache_from
-        self.elastic = elastic
-        self.accumulation_steps = accumulation_steps
-        self.memory_model = MemoryModel(optimizer_state_factor=optimizer_state_factor,
+        self.memory_model = MemoryModel(optimizer_state_factor=settings.optimizer_state_factor,
                                         frozen_param_factor=frozen_weight)
         self.memory_budget = (
-            memory_budget
-            if memory_budget is not None
-            else max(self.stage_memory(self._partition(0, k0), 0, k0))
+            settings.memory_budget
+            if settings.memory_budget is not None
+            else max(self._stage_memory(self._partition(0, k0), 0, k0))
         )
 
     # -- costs ---------------------------------------------------------------------------------
 
     def replica_batch(self, num_replicas: int) -> int:
         """Samples one replica processes per pass (:func:`replica_batch`)."""
-        return replica_batch(self.batch_size, num_replicas, self.batch_policy,
-                             self.accumulation_steps)
+        return self.settings.replica_batch(num_replicas)
 
     def _time(self, c: LayerCost, frozen: bool) -> float:
         return c.forward_s * self.frozen_weight if frozen else c.forward_s + c.backward_s
@@ -374,16 +413,16 @@ class Planner:
         active = [self._time(b, False) for b in c.blocks[num_frozen:]]
         return partition(active, k, first_extra=prefix, last_extra=self._time(c.head, False))
 
-    def stage_memory(self, part: Partition, num_frozen: int, k: int) -> list[float]:
+    def _stage_memory(self, part: Partition, num_frozen: int, k: int) -> list[float]:
         """Predicted peak bytes per stage of a partition (parameters, optimizer state, stored
         activations for backward)."""
         bounds = tuple(num_frozen + b for b in part.boundaries)
         return self._memory(bounds, num_frozen, k, lambda: self.microbatches_for(
             k, self.num_workers // k))
 
-    def plan_memory(self, plan: Plan) -> list[float]:
-        """Predicted peak bytes per stage of ``plan``, as :meth:`stage_memory` weighs a plan
-        (what a run's records set beside the measured memory)."""
+    def stage_memory(self, plan: Plan) -> list[float]:
+        """Predicted peak bytes per stage of ``plan``, as the rule weighs a partition (what a
+        run's records set beside the measured memory)."""
         return self._memory(plan.boundaries, plan.num_frozen, plan.pipeline_length,
                             lambda: plan.num_microbatches)
 
@@ -394,7 +433,7 @@ class Planner:
         # output per sample per active layer, and a frozen layer weighs its parameters times
         # ``frozen_weight``.
         samples = self.replica_batch(self.num_workers // k)
-        if self.schedule == "1f1b" and k > 1:
+        if self.settings.schedule == "1f1b" and k > 1:
             m = microbatches()
             samples = max(1, samples * min(m, k) // m)
         return self.memory_model.stage_bytes(self.costs, bounds, num_frozen, [samples] * k)
@@ -406,13 +445,13 @@ class Planner:
         b = self.replica_batch(num_replicas)
         if k == 1:
             return 1
-        if self.forced_microbatches is not None:
-            return self.forced_microbatches
+        if self.settings.num_microbatches is not None:
+            return self.settings.num_microbatches
         m = max(d for d in divisors(b) if d <= 4 * k)
-        if self.schedule == "1f1b" and m < k:
+        if self.settings.schedule == "1f1b" and m < k:
             enough = [d for d in divisors(b) if d >= k]
             if not enough:
-                raise too_few_microbatches(b, k, self.accumulation_steps)
+                raise too_few_microbatches(b, k, self.settings.accumulation_steps)
             m = enough[0]
         return m
 
@@ -428,10 +467,10 @@ class Planner:
             num_replicas=r,
             boundaries=tuple(num_frozen + b for b in part.boundaries),
             num_microbatches=self.microbatches_for(k, r),
-            schedule=self.schedule,
+            schedule=self.settings.schedule,
             cache=self.cached(num_frozen),
             stage_loads=part.loads,
-            activation_checkpointing=self.activation_checkpointing,
+            activation_checkpointing=self.settings.activation_checkpointing,
         )
 
     def initial_plan(self) -> Plan:
@@ -444,12 +483,12 @@ class Planner:
         largest stage fits the memory budget; ``current`` (capped by the active blocks) if none
         does. Not elastic: ``current``."""
         active = self.costs.num_layers - num_frozen
-        if not self.elastic:
+        if not self.settings.elastic:
             return pinned_length(current, active, num_frozen)
         candidates = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
         for k in candidates:
             part = self._partition(num_frozen, k)
-            if max(self.stage_memory(part, num_frozen, k)) <= self.memory_budget * (1 + 1e-9):
+            if max(self._stage_memory(part, num_frozen, k)) <= self.memory_budget * (1 + 1e-9):
                 return k
         return candidates[-1]
 
@@ -469,23 +508,11 @@ class Planner:
         """A plan for a different device count (a restart with a new N), keeping ``num_frozen``.
         K is chosen afresh for the new N even when not elastic (the old K may not divide it);
         later plans keep the new K."""
-        planner = Planner(
-            num_workers,
-            self.costs,
-            batch_size=self.batch_size,
-            batch_policy=self.batch_policy,
-            schedule=self.schedule,
-            initial_pipeline_length=max(
-                d for d in divisors(num_workers) if d <= max(1, self.costs.num_layers)
-            ),
-            num_microbatches=self.forced_microbatches,
-            memory_budget=self.memory_budget,
-            frozen_weight=self.frozen_weight,
-            optimizer_state_factor=self.optimizer_state_factor,
-            cache_from=self.cache_from,
-            accumulation_steps=self.accumulation_steps,
-            activation_checkpointing=self.activation_checkpointing,
-        )
+        k0 = max(d for d in divisors(num_workers) if d <= max(1, self.costs.num_layers))
+        settings = replace(self.settings, initial_pipeline_length=k0,
+                           memory_budget=self.memory_budget)
+        planner = PaperPlanner(num_workers, self.costs, settings,
+                               frozen_weight=self.frozen_weight, cache_from=self.cache_from)
         k = planner.pipeline_length_for(prev.num_frozen, planner.initial_pipeline_length)
         return planner._make(prev.generation + 1, prev.num_frozen, k,
                              planner._partition(prev.num_frozen, k))

@@ -1,7 +1,8 @@
 """AutoPipe by prediction: the planner that picks K, M and the cache by simulated throughput.
 
-Pure module. Same interface as :class:`pt_ray.core.plan.Planner` (which keeps the paper's rule, for
-``pipeline.policy=paper``). For a frozen-prefix length n it
+Pure module. It meets the :class:`pt_ray.core.plan.Planner` protocol, as the paper's rule does
+(:class:`pt_ray.core.plan.PaperPlanner`, for ``pipeline.policy=paper``), and takes the same
+:class:`pt_ray.core.plan.PlanSettings`. For a frozen-prefix length n it
 
 1. lists the candidate pipeline lengths K: divisors of N, no larger than the current K (K only
    shrinks) nor than the active blocks (every stage trains at least one block);
@@ -40,9 +41,9 @@ from pt_ray.core.partition import Partition, partition
 from pt_ray.core.plan import (
     CostTable,
     Plan,
+    PlanSettings,
     divisors,
     pinned_length,
-    replica_batch,
     too_few_microbatches,
 )
 
@@ -59,13 +60,12 @@ class CostModelPlanner:
         costs: per-layer costs in seconds (profiled, or
             :func:`pt_ray.costs.costmodel.analytic_costs`).
         hw: the cluster's profile (links, overheads, memory, cache bandwidth).
-        batch_size: ``data.batch_size``.
-        batch_policy: ``fixed_global`` (each replica takes B / R) or ``per_replica`` (each B).
-        schedule: pipeline schedule for every plan.
-        initial_pipeline_length: K at the start; None: the fastest predicted K that fits.
-        num_microbatches: force M for every K > 1; None: searched per K.
-        memory_budget: most bytes one stage may hold; None: 90% of the device memory, or what
-            the configured start needs with its leanest M if that is more (it always fits).
+        settings: what every planner is told (``initial_pipeline_length`` None: the fastest
+            predicted K that fits; ``memory_budget`` None: 90% of the device memory, or what
+            the configured start needs with its leanest M if that is more, so it always fits;
+            with ``elastic`` False, M and the cache are still chosen by prediction; with
+            ``activation_checkpointing``, :meth:`stage_memory` counts what a checkpointed
+            block keeps).
         cache: ``auto`` (on when predicted faster), ``on`` (whenever something is frozen),
             ``off``.
         cache_min_frozen: with ``cache=auto``, the cache stays off below this many frozen
@@ -73,8 +73,6 @@ class CostModelPlanner:
         cache_layout: how the cache keeps its rows, for the cost of a read in the run's plain
             order (None: a read moves only the rows it uses).
         runtime: how the runtime runs the prefix and writes the cache.
-        optimizer_state_factor: bytes held per parameter byte of an active layer (weights,
-            gradient and optimizer moments: 4 for AdamW, 3 for SGD with momentum).
         activation_memory_factor: bytes a block keeps for backward per byte of its output,
             for layers whose ``saved_bytes`` were not measured (analytic tables;
             :func:`pt_ray.core.shapes.saved_activation_factor`; about 25 for ViT-B/16).
@@ -83,16 +81,6 @@ class CostModelPlanner:
         accumulate: whether the runtime accumulates gradients over M micro-batches at K = 1,
             M chosen by the planner (the engine does not: at K = 1 it runs each pass's replica
             batch at once, M = 1). Not ``accumulation_steps``, which the user fixes.
-        accumulation_steps: A, passes per optimizer step (``optimizer.accumulation_steps``):
-            a pass takes 1 / A of the replica's batch, so M and the memory are sized for one
-            pass, and a step is predicted as A passes, then one all-reduce and one optimizer
-            step.
-        elastic: False pins K (and R) at the initial plan's as blocks freeze; M and the cache
-            are still chosen by prediction (see :class:`pt_ray.core.plan.Planner`).
-        activation_checkpointing: plans recompute every trainable block's forward in its
-            backward: the partition and the predicted step weigh that forward
-            (:meth:`pt_ray.core.plan.CostTable.with_recompute`), and :meth:`stage_memory` counts
-            what a checkpointed block keeps.
     """
 
     def __init__(
@@ -100,82 +88,64 @@ class CostModelPlanner:
         num_workers: int,
         costs: CostTable,
         hw: HardwareProfile,
+        settings: PlanSettings,
         *,
-        batch_size: int,
-        batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global",
-        schedule: Literal["gpipe", "1f1b"] = "1f1b",
-        initial_pipeline_length: int | None = None,
-        num_microbatches: int | None = None,
-        memory_budget: float | None = None,
         cache: Literal["auto", "on", "off"] = "auto",
         cache_min_frozen: int = 1,
         cache_layout: CacheLayout | None = None,
         runtime: Runtime = PT_RAY,
-        optimizer_state_factor: float = 4.0,
         activation_memory_factor: float = 24.0,
         max_microbatches_per_stage: int = 16,
         optimizer_traffic: float = 5.0,
         accumulate: bool = False,
-        elastic: bool = True,
-        accumulation_steps: int = 1,
-        activation_checkpointing: bool = False,
     ) -> None:
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps} must be at least 1")
+        k0 = settings.initial_pipeline_length
         fits_layers = [d for d in divisors(num_workers) if d <= max(1, costs.num_layers)]
-        if initial_pipeline_length is not None and initial_pipeline_length not in fits_layers:
+        if k0 is not None and k0 not in fits_layers:
             raise ValueError(
-                f"pipeline_length={initial_pipeline_length} must divide num_workers={num_workers} "
+                f"pipeline_length={k0} must divide num_workers={num_workers} "
                 f"and leave every stage a block; choose one of {fits_layers}"
             )
         if cache not in ("auto", "on", "off"):
             raise ValueError(f"cache={cache!r} is not one of 'auto', 'on', 'off'")
         self.num_workers = num_workers
-        self.activation_checkpointing = activation_checkpointing
-        self.costs = costs.with_recompute() if activation_checkpointing else costs
+        self.settings = settings
+        self.costs = costs.with_recompute() if settings.activation_checkpointing else costs
         self.hw = hw
-        self.batch_size = batch_size
-        self.batch_policy = batch_policy
-        self.schedule = schedule
-        self.forced_microbatches = num_microbatches
-        self.cache = cache
-        self.cache_min_frozen = cache_min_frozen
-        self.cache_layout = cache_layout
-        self._cache_notes: dict[int, str] = {}
+        self.options = {"cache": cache, "cache_min_frozen": cache_min_frozen,
+                        "cache_layout": cache_layout, "runtime": runtime,
+                        "activation_memory_factor": activation_memory_factor,
+                        "max_microbatches_per_stage": max_microbatches_per_stage,
+                        "optimizer_traffic": optimizer_traffic, "accumulate": accumulate}
+        self.cache, self.cache_min_frozen, self.cache_layout = cache, cache_min_frozen, cache_layout
         self.runtime = runtime
-        self.optimizer_state_factor = optimizer_state_factor
-        self.activation_memory_factor = activation_memory_factor
         self.max_microbatches_per_stage = max_microbatches_per_stage
         self.optimizer_traffic = optimizer_traffic
         self.accumulate = accumulate
-        self.elastic = elastic
-        self.accumulation_steps = accumulation_steps
+        self._cache_notes: dict[int, str] = {}
         self._predictions: dict[Plan, StepBreakdown] = {}
-        self.memory_model = MemoryModel(optimizer_state_factor=optimizer_state_factor,
+        self.memory_model = MemoryModel(optimizer_state_factor=settings.optimizer_state_factor,
                                         activation_factor=activation_memory_factor)
-        self.memory_budget = (memory_budget if memory_budget is not None
+        self.memory_budget = (settings.memory_budget if settings.memory_budget is not None
                               else 0.9 * hw.device_memory_bytes)
-        if initial_pipeline_length is None:
+        if k0 is None:
             self.initial_pipeline_length = self._choose(0, num_workers).pipeline_length
-        else:
-            self.initial_pipeline_length = initial_pipeline_length
-            if memory_budget is None:
-                # The configured start must fit: with its leanest M at least.
-                k = initial_pipeline_length
-                part = self._partition(0, k, False)
-                ms = self._microbatch_candidates(k, num_workers // k)
-                if not ms:
-                    raise self._no_microbatches(k)
-                leanest = min(max(self.stage_memory(self._layout(0, k, m, False, part)))
-                              for m in ms)
-                self.memory_budget = max(self.memory_budget, leanest)
+            return
+        self.initial_pipeline_length = k0
+        if settings.memory_budget is None:
+            # The configured start must fit: with its leanest M at least.
+            part = self._partition(0, k0, False)
+            ms = self._microbatch_candidates(k0, num_workers // k0)
+            if not ms:
+                raise self._no_microbatches(k0)
+            self.memory_budget = max(self.memory_budget, min(
+                max(self.stage_memory(self._layout(0, k0, m, False, part))) for m in ms))
 
     # -- predictions ---------------------------------------------------------------------------
 
     def replica_batch(self, num_replicas: int) -> int:
         """Samples one replica processes per pass (:func:`pt_ray.core.plan.replica_batch`)."""
-        return replica_batch(self.batch_size, num_replicas, self.batch_policy,
-                             self.accumulation_steps)
+        return self.settings.replica_batch(num_replicas)
 
     def _partition(self, num_frozen: int, k: int, cache: bool) -> Partition:
         return stage_partition(self.costs, num_frozen, k, cache, self.hw, self.runtime,
@@ -208,11 +178,6 @@ class CostModelPlanner:
             self.costs, plan.boundaries, plan.num_frozen, [h * per_mb for h in held],
             per_microbatch=per_mb, checkpointing=plan.activation_checkpointing)
 
-    def plan_memory(self, plan: Plan) -> list[float]:
-        """:meth:`stage_memory`, under the name both planners give the estimate that a run's
-        records set beside the measured memory."""
-        return self.stage_memory(plan)
-
     def predict(self, plan: Plan) -> StepBreakdown:
         """The predicted step of ``plan`` in steady state (cache reads hit at its level)."""
         key = replace(plan, generation=0)
@@ -220,21 +185,21 @@ class CostModelPlanner:
             self._predictions[key] = step_time(
                 plan, self.costs, self.hw, self.replica_batch(plan.num_replicas),
                 runtime=self.runtime, optimizer_traffic=self.optimizer_traffic,
-                passes=self.accumulation_steps, cache_layout=self.cache_layout)
+                passes=self.settings.accumulation_steps, cache_layout=self.cache_layout)
         return self._predictions[key]
 
     def _microbatch_candidates(self, k: int, num_replicas: int) -> list[int]:
         if k == 1:
             # Without a pipeline the engine runs the replica batch at once; with accumulation
             # (1F1B order at K = 1) each micro-batch's activations are freed before the next.
-            if self.accumulate and self.schedule == "1f1b":
+            if self.accumulate and self.settings.schedule == "1f1b":
                 return divisors(self.replica_batch(num_replicas))
             return [1]
-        if self.forced_microbatches is not None:
-            return [self.forced_microbatches]
+        if self.settings.num_microbatches is not None:
+            return [self.settings.num_microbatches]
         b = self.replica_batch(num_replicas)
         # 1F1B needs a micro-batch per stage in flight (torch rejects M < K).
-        least = k if self.schedule == "1f1b" else 1
+        least = k if self.settings.schedule == "1f1b" else 1
         return [d for d in divisors(b) if least <= d <= self.max_microbatches_per_stage * k]
 
     def _layout(self, num_frozen: int, k: int, m: int, cache: bool, part: Partition) -> Plan:
@@ -246,10 +211,10 @@ class CostModelPlanner:
             num_replicas=self.num_workers // k,
             boundaries=tuple(num_frozen + b for b in part.boundaries),
             num_microbatches=m,
-            schedule=self.schedule,
+            schedule=self.settings.schedule,
             cache=cache,
             stage_loads=part.loads,
-            activation_checkpointing=self.activation_checkpointing,
+            activation_checkpointing=self.settings.activation_checkpointing,
         )
 
     def _best(self, num_frozen: int, k: int, cache: bool, check_memory: bool = True) -> Plan | None:
@@ -268,7 +233,7 @@ class CostModelPlanner:
     def _choose(self, num_frozen: int, current: int) -> Plan:
         active = self.costs.num_layers - num_frozen
         ks = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
-        if not self.elastic:
+        if not self.settings.elastic:
             ks = [pinned_length(current, active, num_frozen)]
         caches = [False]
         if num_frozen > 0 and self.cache == "on":
@@ -335,7 +300,7 @@ class CostModelPlanner:
 
     def _no_microbatches(self, k: int) -> ValueError:
         return too_few_microbatches(self.replica_batch(self.num_workers // k), k,
-                                    self.accumulation_steps)
+                                    self.settings.accumulation_steps)
 
     # -- the Planner interface -----------------------------------------------------------------
 
@@ -371,19 +336,9 @@ class CostModelPlanner:
     def replan(self, prev: Plan, num_workers: int) -> Plan:
         """A plan for a different device count (a restart with a new N), keeping
         ``num_frozen``; K may grow again, up to the new N."""
-        planner = CostModelPlanner(
-            num_workers, self.costs, self.hw, batch_size=self.batch_size,
-            batch_policy=self.batch_policy, schedule=self.schedule,
-            num_microbatches=self.forced_microbatches, memory_budget=self.memory_budget,
-            cache=self.cache, cache_min_frozen=self.cache_min_frozen,
-            cache_layout=self.cache_layout, runtime=self.runtime,
-            optimizer_state_factor=self.optimizer_state_factor,
-            activation_memory_factor=self.activation_memory_factor,
-            max_microbatches_per_stage=self.max_microbatches_per_stage,
-            optimizer_traffic=self.optimizer_traffic, accumulate=self.accumulate,
-            accumulation_steps=self.accumulation_steps,
-            activation_checkpointing=self.activation_checkpointing,
-        )
+        settings = replace(self.settings, initial_pipeline_length=None,
+                           memory_budget=self.memory_budget)
+        planner = CostModelPlanner(num_workers, self.costs, self.hw, settings, **self.options)
         # A new N re-plans K from scratch even when not elastic: the old K may not divide it.
         plan = planner._choose(prev.num_frozen, num_workers)
         self._cache_notes[prev.num_frozen] = planner._cache_notes[prev.num_frozen]

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, step_time, transition_time
 from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.core.freeze import build_freeze_policy, frozen_timeline
-from pt_ray.core.plan import CostTable, Plan, Planner, replica_batch
+from pt_ray.core.plan import CostTable, PaperPlanner, Plan, PlanSettings, replica_batch
 
 __all__ = [
     "SCENARIOS",
@@ -149,10 +149,10 @@ def chunks_2021(k: int) -> int:
 
 
 class _RulePlanner:
-    """:class:`pt_ray.core.plan.Planner` with the paper's cache rule (on from ``cache_from`` frozen
-    blocks) and, for the 2021 code, its micro-batch table."""
+    """:class:`pt_ray.core.plan.PaperPlanner` with the paper's cache rule (on from
+    ``cache_from`` frozen blocks) and, for the 2021 code, its micro-batch table."""
 
-    def __init__(self, inner: Planner, cache_from: int | None, table: bool) -> None:
+    def __init__(self, inner: PaperPlanner, cache_from: int | None, table: bool) -> None:
         self.inner, self.cache_from, self.table = inner, cache_from, table
 
     def _dress(self, plan: Plan) -> Plan:
@@ -182,26 +182,24 @@ def build_planner(
     **common: Any,
 ):
     """The planner ``simulate`` uses: ``cost`` (:class:`CostModelPlanner`), ``paper``
-    (:class:`pt_ray.core.plan.Planner` on these costs) or ``2021`` (the 2021 code's rule: parameter
-    counts, frozen layers weighing nothing, its M table); the rule planners turn the cache on
-    from ``cache_from`` frozen blocks (1 with ``cache="on"``); ``elastic=False`` pins K and R.
-    ``common``: batch_size,
-    batch_policy, schedule, initial_pipeline_length, num_microbatches, memory_budget,
-    activation_checkpointing."""
+    (:class:`pt_ray.core.plan.PaperPlanner` on these costs) or ``2021`` (the 2021 code's rule:
+    parameter counts, frozen layers weighing nothing, its M table); the rule planners turn the
+    cache on from ``cache_from`` frozen blocks (1 with ``cache="on"``); ``elastic=False`` pins
+    K and R. ``common``: the other fields of :class:`pt_ray.core.plan.PlanSettings`."""
+    settings = PlanSettings(elastic=elastic, **common)
     if kind == "cost":
-        return CostModelPlanner(num_devices, costs, hw, cache=cache, runtime=runtime,
+        return CostModelPlanner(num_devices, costs, hw, settings, cache=cache, runtime=runtime,
                                 activation_memory_factor=activation_memory_factor,
-                                optimizer_traffic=optimizer_traffic, elastic=elastic, **common)
+                                optimizer_traffic=optimizer_traffic)
     start = None if cache == "off" else (1 if cache == "on" else cache_from)
     if kind == "paper":
-        return _RulePlanner(Planner(num_devices, costs, elastic=elastic, **common), start,
-                            table=False)
+        return _RulePlanner(PaperPlanner(num_devices, costs, settings), start, table=False)
     if kind == "2021":
         params = CostTable.from_param_counts(costs.embed.param_bytes,
                                              [b.param_bytes for b in costs.blocks],
                                              costs.head.param_bytes)
-        inner = Planner(num_devices, params, frozen_weight=0.0, optimizer_state_factor=1.0,
-                        elastic=elastic, **common)
+        inner = PaperPlanner(num_devices, params, replace(settings, optimizer_state_factor=1.0),
+                             frozen_weight=0.0)
         return _RulePlanner(inner, start, table=True)
     raise ValueError(f"planner={kind!r} is not one of 'cost', 'paper', '2021'")
 

@@ -51,7 +51,7 @@ class RankMemory:
             ``param_bytes``; summaries written before that held the whole model on every rank.
         cuda: whether ``peak_bytes`` is the CUDA allocator's figure (else the tracked sum).
         estimate_bytes: the planner's predicted peak for this rank's stage under the epoch's
-            plan (``plan_memory``); filled in by the controller, 0 where it made none.
+            plan (``stage_memory``); filled in by the controller, 0 where it made none.
     """
 
     rank: int
