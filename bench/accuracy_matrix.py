@@ -425,15 +425,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run (or resummarise) the matrix; returns the JSON document written."""
-    args = parse_args(argv)
-    if args.resummarise is not None:
-        doc = json.loads(args.resummarise.read_text())
-        _finish(doc, args.out or args.resummarise.parent)
-        return doc
-    out: Path = args.out or DEFAULT_OUT
-    out.mkdir(parents=True, exist_ok=True)
+def _cells(args: argparse.Namespace, out: Path
+           ) -> tuple[list[tuple[dict[str, Any], list[str]]], dict[str, dict[str, Any]]]:
+    """Every cell of the matrix (its record and overrides), each config checked before any
+    trains, and each workload's record (its data and model made under ``out``)."""
     cells: list[tuple[dict[str, Any], list[str]]] = []
     records: dict[str, dict[str, Any]] = {}
     for name in args.workloads:
@@ -451,6 +446,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise SystemExit(f"{name} policy {policy} seed {seed}: {err}") from None
                 cells.append(({"workload": name, "policy": policy, "seed": seed,
                                "overrides": ovr}, ovr))
+    return cells, records
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run (or resummarise) the matrix; returns the JSON document written."""
+    args = parse_args(argv)
+    if args.resummarise is not None:
+        doc = json.loads(args.resummarise.read_text())
+        _finish(doc, args.out or args.resummarise.parent)
+        return doc
+    out: Path = args.out or DEFAULT_OUT
+    out.mkdir(parents=True, exist_ok=True)
+    cells, records = _cells(args, out)
     doc: dict[str, Any] = {
         "command": " ".join(["bench/accuracy_matrix.py",
                              *(sys.argv[1:] if argv is None else argv)]),

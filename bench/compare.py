@@ -303,7 +303,44 @@ def source_info(label: str | None) -> dict[str, Any]:
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
+# What each figure of compare.json means (saved in it as "definitions").
+DEFINITIONS = {
+    "train_time_s": "sum over epochs of epoch_time_s + transition_time_s "
+                    "(training steps and re-plans; evaluation excluded); the peer's "
+                    "epoch_time_s is its training loop, slowest rank",
+    "wall_time_s": "fit() wall time: Ray Train worker start, profiling, training, "
+                   "evaluation, checkpoints (the cluster start is excluded); the "
+                   "peer's is TorchTrainer.fit()",
+    "fit_call_s": "the whole call as its user waits for it: pt_ray.fit (with its "
+                  "driver-side checks and summary), or building and fitting the peer's "
+                  "TorchTrainer",
+    "vs_peer.speedup_vs_peer": "headline: median over repeats of peer train_time_s / "
+                               "pt-ray train_time_s (pairs run back to back)",
+    "vs_peer.wall_ratio_vs_peer": "peer fit_call_s / pt-ray fit_call_s, median",
+    "vs_peer.fraction_of_bound_vs_peer": "speedup_vs_peer / pt-ray's ideal_bound",
+    "vs_peer.engine_tax_k1": "dp train_time_s / peer train_time_s - 1, median: what "
+                             "the engine costs without freezing at K=1",
+    "breakdown": "per arm: startup_s (call to first epoch's training, estimated as the "
+                 "first checkpoint's time minus the first epoch's training and eval), "
+                 "between_epochs_s (checkpoint, report, plan), teardown_s (last "
+                 "checkpoint to the call's return), per_epoch_overhead_s (median over "
+                 "epochs after the first of eval + time before the next checkpoint)",
+    "speedup": "median over repeats of baseline train_time_s / pt-ray train_time_s "
+               "(pairs run back to back)",
+    "speedup_best_epochs": "the same ratio with each epoch at its fastest over the "
+                           "repeats (least disturbed by other load)",
+    "same_plan_ratio": "baseline / pt-ray time over the epochs in which both ran the "
+                       "same plan (nothing frozen yet); 1 on a quiet machine",
+    "speedup_adjusted_for_same_plan": "speedup / same_plan_ratio per repeat, median: a "
+                                      "heuristic that assumes a run-wide slowdown",
+    "ideal_bound": "ideal bound: active block 3 units (fwd+bwd), frozen block 1 (fwd), "
+                   "0 for cache hits; no-freeze cost / this timeline's cost",
+    "fraction_of_bound": "speedup / ideal_bound",
+    "accuracy_diff_points": "100 * (pt-ray accuracy - baseline accuracy), medians",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=None,
                         help="run config YAML (default: pt-ray's default job)")
@@ -356,15 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resummarise", type=Path, default=None, metavar="JSON",
                         help="recompute the figures, PNG and table from a compare.json's runs "
                              "(written to --out) without running anything")
-    args = parser.parse_args(argv)
-    if args.resummarise is not None:
-        write_report(json.loads(args.resummarise.read_text()), args.out)
-        return 0
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be 0 (none) or a number of epochs")
+    return parser
 
+
+def _arm_overrides(args: argparse.Namespace, parser: argparse.ArgumentParser
+                   ) -> tuple[Path, list[str], Any, list[str], dict[str, Any]]:
+    """The config, the overrides every arm shares, the resolved run config, the arms to run
+    and the workload's record; a bad value stops here, before Ray starts."""
     overrides = list(args.overrides)
     workload_record: dict[str, Any] = {}
     if args.workload is not None:
@@ -382,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(config, overrides)  # fails here, before Ray, on a bad value
     for arm in ARM_OVERRIDES:
         resolve_config(config, [*overrides, *ARM_OVERRIDES[arm]])
-
     if args.arms is not None:
         wanted = set(filter(None, args.arms.split(",")))
         if not wanted or wanted - set(ARM_OVERRIDES):
@@ -397,7 +431,13 @@ def main(argv: list[str] | None = None) -> int:
             check_config(resolve_config(config, [*overrides, *ARM_OVERRIDES["peer"]]))
         except ValueError as err:
             parser.error(str(err))
-    args.out.mkdir(parents=True, exist_ok=True)
+    return config, overrides, cfg, arms, workload_record
+
+
+def _run_arms(args: argparse.Namespace, config: Path, overrides: list[str], cfg: Any,
+              arms: list[str]) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Start the benchmark's cluster when an arm needs Ray, warm every arm up, then run the
+    repeats in ``--order``; returns each arm's runs and its cold start."""
     started = False
     if cfg.engine == "ray" or "peer" in arms:
         need = cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker
@@ -407,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.figure  # noqa: F401  (pt-ray's report.png: the same for its first arm)
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     cold: dict[str, dict] = {}
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
     try:
         if args.warmup:
             cold = warm_up(arms, config, [*overrides, f"epochs={args.warmup}"], args.out,
@@ -425,7 +463,24 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             ray.shutdown()
+    return runs, cold
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.resummarise is not None:
+        write_report(json.loads(args.resummarise.read_text()), args.out)
+        return 0
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be 0 (none) or a number of epochs")
+    config, overrides, cfg, arms, workload_record = _arm_overrides(args, parser)
+    args.out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    runs, cold = _run_arms(args, config, overrides, cfg, arms)
     data: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "config": str(config),
@@ -447,53 +502,19 @@ def main(argv: list[str] | None = None) -> int:
         "cache_mode": cfg.cache.mode,
         "metric_name": runs[arms[0]][0]["metric_name"],
         "source": source_info(args.label),
-        # Ray Train's controller collects one report per poll (default every 2 s; each rank's
-        # result queue holds one), which floors an epoch's wall time when epochs are short.
-        # The poll interval the benchmark's cluster ran with (start_ray's default when unset).
+        # Ray Train's controller collects one report per poll (each rank's result queue holds
+        # one), which floors an epoch's wall time when epochs are short. The poll interval the
+        # benchmark's cluster ran with (start_ray's default when unset).
         "env": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S":
                 os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_before": load_before, "load_after": os.getloadavg(),
                     "benchmark_s": time.perf_counter() - t0},
-        "definitions": {
-            "train_time_s": "sum over epochs of epoch_time_s + transition_time_s "
-                            "(training steps and re-plans; evaluation excluded); the peer's "
-                            "epoch_time_s is its training loop, slowest rank",
-            "wall_time_s": "fit() wall time: Ray Train worker start, profiling, training, "
-                           "evaluation, checkpoints (the cluster start is excluded); the "
-                           "peer's is TorchTrainer.fit()",
-            "fit_call_s": "the whole call as its user waits for it: pt_ray.fit (with its "
-                          "driver-side checks and summary), or building and fitting the peer's "
-                          "TorchTrainer",
-            "vs_peer.speedup_vs_peer": "headline: median over repeats of peer train_time_s / "
-                                       "pt-ray train_time_s (pairs run back to back)",
-            "vs_peer.wall_ratio_vs_peer": "peer fit_call_s / pt-ray fit_call_s, median",
-            "vs_peer.fraction_of_bound_vs_peer": "speedup_vs_peer / pt-ray's ideal_bound",
-            "vs_peer.engine_tax_k1": "dp train_time_s / peer train_time_s - 1, median: what "
-                                     "the engine costs without freezing at K=1",
-            "breakdown": "per arm: startup_s (call to first epoch's training, estimated as the "
-                         "first checkpoint's time minus the first epoch's training and eval), "
-                         "between_epochs_s (checkpoint, report, plan), teardown_s (last "
-                         "checkpoint to the call's return), per_epoch_overhead_s (median over "
-                         "epochs after the first of eval + time before the next checkpoint)",
-            "speedup": "median over repeats of baseline train_time_s / pt-ray train_time_s "
-                       "(pairs run back to back)",
-            "speedup_best_epochs": "the same ratio with each epoch at its fastest over the "
-                                   "repeats (least disturbed by other load)",
-            "same_plan_ratio": "baseline / pt-ray time over the epochs in which both ran the "
-                               "same plan (nothing frozen yet); 1 on a quiet machine",
-            "speedup_adjusted_for_same_plan": "speedup / same_plan_ratio per repeat, median: a "
-                                              "heuristic that assumes a run-wide slowdown",
-            "ideal_bound": "ideal bound: active block 3 units (fwd+bwd), frozen block 1 (fwd), "
-                           "0 for cache hits; no-freeze cost / this timeline's cost",
-            "fraction_of_bound": "speedup / ideal_bound",
-            "accuracy_diff_points": "100 * (pt-ray accuracy - baseline accuracy), medians",
-        },
+        "definitions": DEFINITIONS,
+        "runs": runs,
     }
-    data["runs"] = runs
     write_report(data, args.out)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

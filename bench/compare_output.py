@@ -40,8 +40,17 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, s = data["per_epoch"], data["summary"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8), width_ratios=[3, 1.8])
+    _plot_epochs(ax, data)
+    _plot_speedups(bx, data["summary"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_epochs(ax, data: dict[str, Any]) -> None:
+    """Each arm's training time per epoch, pt-ray's plan changes marked."""
+    rows = data["per_epoch"]
     epochs = [r["epoch"] + 1 for r in rows]
     for arm in data["arms"]:
         colour, label = STYLES[arm]
@@ -64,42 +73,43 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_title("per-epoch training time; pt-ray's plan (frozen n, K, R, M) marked")
     ax.legend(loc="lower left", fontsize=8)
 
+
+def _plot_speedups(bx, s: dict[str, Any]) -> None:
+    """Each arm's training-time speedup over the peer (or the paper's baseline), with
+    pt-ray's wall-time ratio and the ideal bound."""
     peer = s.get("vs_peer")
     ref = "peer" if peer else "baseline" if "speedup" in s else None
     if ref is None:
         bx.set_axis_off()
-    else:
-        arms = [r for r in s["ablation"] if r["arm"] != ref]
-        names = [SHORT[r["arm"]].replace(" ", "\n") for r in arms]
-        values = [r["vs_peer" if peer else "speedup"] for r in arms]
-        colours = [STYLES[r["arm"]][0] for r in arms]
-        wall = peer.get("wall_ratio_vs_peer") if peer else s["wall_time_ratio"]
-        bound = peer.get("ideal_bound") if peer else s["ideal_bound"]
-        for name, value, colour in (("pt-ray\n(wall)", wall, "tab:cyan"),
-                                    ("ideal\nbound", bound, "tab:orange")):
-            if value is not None:
-                names.append(name)
-                values.append(value)
-                colours.append(colour)
-        bars = bx.bar(names, values, color=colours)
-        for b, v in zip(bars, values):
-            bx.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}x", ha="center", va="bottom",
-                    fontsize=8)
-        if bound is not None:
-            bx.axhline(AIM_FRACTION * bound, color="tab:orange", ls="--", lw=1,
-                       label=f"{AIM_FRACTION:.0%} of bound")
-            bx.legend(fontsize=8, loc="lower right")
-        bx.axhline(1.0, color="black", lw=0.8)
-        bx.set_ylabel(f"training-time speedup over the {'peer' if peer else 'paper baseline'}")
-        if peer and "fraction_of_bound_vs_peer" in peer:
-            bx.set_title(f"{peer['fraction_of_bound_vs_peer']:.0%} of bound; acc "
-                         f"{peer['accuracy_diff_vs_peer_points']:+.2f} pt vs peer", fontsize=10)
-        elif not peer:
-            bx.set_title(f"{s['fraction_of_bound']:.0%} of bound; acc "
-                         f"{s['accuracy_diff_points']:+.2f} pt", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        return
+    arms = [r for r in s["ablation"] if r["arm"] != ref]
+    names = [SHORT[r["arm"]].replace(" ", "\n") for r in arms]
+    values = [r["vs_peer" if peer else "speedup"] for r in arms]
+    colours = [STYLES[r["arm"]][0] for r in arms]
+    wall = peer.get("wall_ratio_vs_peer") if peer else s["wall_time_ratio"]
+    bound = peer.get("ideal_bound") if peer else s["ideal_bound"]
+    for name, value, colour in (("pt-ray\n(wall)", wall, "tab:cyan"),
+                                ("ideal\nbound", bound, "tab:orange")):
+        if value is not None:
+            names.append(name)
+            values.append(value)
+            colours.append(colour)
+    bars = bx.bar(names, values, color=colours)
+    for b, v in zip(bars, values):
+        bx.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}x", ha="center", va="bottom",
+                fontsize=8)
+    if bound is not None:
+        bx.axhline(AIM_FRACTION * bound, color="tab:orange", ls="--", lw=1,
+                   label=f"{AIM_FRACTION:.0%} of bound")
+        bx.legend(fontsize=8, loc="lower right")
+    bx.axhline(1.0, color="black", lw=0.8)
+    bx.set_ylabel(f"training-time speedup over the {'peer' if peer else 'paper baseline'}")
+    if peer and "fraction_of_bound_vs_peer" in peer:
+        bx.set_title(f"{peer['fraction_of_bound_vs_peer']:.0%} of bound; acc "
+                     f"{peer['accuracy_diff_vs_peer_points']:+.2f} pt vs peer", fontsize=10)
+    elif not peer:
+        bx.set_title(f"{s['fraction_of_bound']:.0%} of bound; acc "
+                     f"{s['accuracy_diff_points']:+.2f} pt", fontsize=10)
 
 
 def _aim(met: bool) -> str:
@@ -239,40 +249,59 @@ def table(data: dict[str, Any]) -> str:
     lines += breakdown_lines(data)
     if "speedup" in s:
         lines += ["", *baseline_lines(s)]
+    lines += ["", *_ablation_lines(s, acc)]
+    if "prefix_cost" in s:
+        lines += _prefix_cost_lines(s["prefix_cost"])
+    lines += ["", *_by_plan_lines(data)]
+    if s.get("note"):
+        lines += ["", f"NOTE: {s['note']}"]
+    return "\n".join(lines)
+
+
+def _ablation_lines(s: dict[str, Any], acc: str) -> list[str]:
+    """Each arm's training-time speedup over the paper's baseline and over the peer."""
     ref = "the paper's baseline" if "speedup" in s["ablation"][0] else ""
     cols = [(k, h) for k, h in (("speedup", "vs base"), ("vs_peer", "vs peer"))
             if k in s["ablation"][0]]
-    lines += ["", "ablation (training-time speedup of each arm over "
-              + " and over ".join(filter(None, [ref, "the peer" if "vs_peer" in s else ""]))
-              + "):",
-              f"{'':<42}" + "".join(f"{h:>9}" for _, h in cols)
-              + (f"{'wall':>7}{'bound':>7}{'of bound':>9}" if ref else f"{'bound':>7}")
-              + f"{acc:>10}{'frozen':>8}"]
+    lines = ["ablation (training-time speedup of each arm over "
+             + " and over ".join(filter(None, [ref, "the peer" if "vs_peer" in s else ""]))
+             + "):",
+             f"{'':<42}" + "".join(f"{h:>9}" for _, h in cols)
+             + (f"{'wall':>7}{'bound':>7}{'of bound':>9}" if ref else f"{'bound':>7}")
+             + f"{acc:>10}{'frozen':>8}"]
     for r in s["ablation"]:
         lines.append(f"{r['label']:<42}" + "".join(f"{r[k]:>8.2f}x" for k, _ in cols)
                      + (f"{r['wall_time_ratio']:>6.2f}x{r['ideal_bound']:>6.2f}x"
                         f"{r['fraction_of_bound']:>9.0%}" if ref else f"{r['ideal_bound']:>6.2f}x")
                      + f"{r['accuracy']:>10.4f}{r['max_frozen']:>8}")
-    if "prefix_cost" in s:
-        pc = s["prefix_cost"]
-        per = ", ".join(f"e{p['epoch']} {p['ratio']:.0%} ({p['hit_rate']:.0%} hits)"
-                        for p in pc["per_epoch"])
-        lines.append(
-            "frozen prefix per sample with the cache, over without: "
-            + (f"steady state median {pc['steady_median']:.1%}, max {pc['steady_max']:.1%} "
-               f"over {pc['steady_epochs']} epochs (aim at most {AIM_PREFIX_COST:.0%}: "
-               f"{_aim(pc['meets_aim'])})" if pc["steady_epochs"]
-               else "no steady-state epoch (the cache never served a whole epoch)"))
-        if per:
-            lines.append(f"  per epoch: {per}")
+    return lines
+
+
+def _prefix_cost_lines(pc: dict[str, Any]) -> list[str]:
+    """The frozen prefix's cost per sample with the cache, over without."""
+    per = ", ".join(f"e{p['epoch']} {p['ratio']:.0%} ({p['hit_rate']:.0%} hits)"
+                    for p in pc["per_epoch"])
+    lines = [
+        "frozen prefix per sample with the cache, over without: "
+        + (f"steady state median {pc['steady_median']:.1%}, max {pc['steady_max']:.1%} "
+           f"over {pc['steady_epochs']} epochs (aim at most {AIM_PREFIX_COST:.0%}: "
+           f"{_aim(pc['meets_aim'])})" if pc["steady_epochs"]
+           else "no steady-state epoch (the cache never served a whole epoch)")]
+    if per:
+        lines.append(f"  per epoch: {per}")
+    return lines
+
+
+def _by_plan_lines(data: dict[str, Any]) -> list[str]:
+    """Summed epoch times per pt-ray plan, with the arms' ratios and the ideal."""
     pt = _ref_arm(data["runs"])
     ratios = [(k, f"{SHORT[a]}/{SHORT[pt]}") for k, a in (("ratio", "baseline"),
                                                          ("peer_ratio", "peer"))
               if k in data["by_plan"][0]]
-    lines += ["", f"by {pt} plan (summed epoch times, s):",
-              f"{'n':>3}{'K':>3}{'R':>3}{'M':>4}{'epochs':>8}"
-              + "".join(f"{a:>{max(len(a) + 2, 9)}}" for a in data["arms"])
-              + "".join(f"{h:>{len(h) + 2}}" for _, h in ratios) + f"{'ideal':>8}"]
+    lines = [f"by {pt} plan (summed epoch times, s):",
+             f"{'n':>3}{'K':>3}{'R':>3}{'M':>4}{'epochs':>8}"
+             + "".join(f"{a:>{max(len(a) + 2, 9)}}" for a in data["arms"])
+             + "".join(f"{h:>{len(h) + 2}}" for _, h in ratios) + f"{'ideal':>8}"]
     for g in data["by_plan"]:
         lines.append(
             f"{g['num_frozen']:>3}{g['pipeline_length']:>3}{g['num_replicas']:>3}"
@@ -280,9 +309,7 @@ def table(data: dict[str, Any]) -> str:
             + "".join(f"{g[f'{a}_s']:>{max(len(a) + 2, 9)}.2f}" for a in data["arms"])
             + "".join(f"{g[k]:>{len(h) + 2}.2f}" for k, h in ratios)
             + f"{g['ideal_ratio']:>8.2f}")
-    if s.get("note"):
-        lines += ["", f"NOTE: {s['note']}"]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(data: dict[str, Any], out: Path) -> None:

@@ -250,7 +250,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+# What each figure of faults.json means (saved in it as "definitions").
+DEFINITIONS = {
+    "wall_s": "the pt_ray.fit call (driver row: driver start to its kill, plus the resumed fit "
+              "call)",
+    "extra": "wall_s less the fault-free row's",
+    "resumed_after_epoch": "rank 0's 'resumed after epoch N' lines in the worker logs (driver "
+                           "row: the checkpoint resume_from took)",
+    "max_abs_diff": "largest |parameter - reference trainer's| in the final checkpoint",
+    "vs_fault_free": "largest |parameter - the fault-free row's| in the final checkpoint",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/out/faults"),
                         help="folder for faults.json, faults.md and runs/ "
@@ -263,23 +275,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="logical CPUs of the benchmark's Ray cluster (default: 4)")
     parser.add_argument("--object-store-mb", type=int, default=256,
                         help="object store of the benchmark's Ray cluster, MiB (default: 256)")
-    args = parser.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
-    if not rows or set(rows) - set(FAULTS):
-        parser.error(f"--rows {args.rows}: choose among {', '.join(FAULTS)}")
-    torch.set_num_threads(1)
-    args.out = args.out.resolve()  # the fault's marker path is read in the workers' own folder
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "runs").mkdir(exist_ok=True)
+    return parser
 
-    t0 = time.perf_counter()
-    trainer = ReferenceTrainer(tiny_config(args.out / "runs" / "reference", "fault-reference",
+
+def _reference(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every layer's state after the reference trainer's fault-free run."""
+    trainer = ReferenceTrainer(tiny_config(out / "runs" / "reference", "fault-reference",
                                            engine="reference"))
     trainer.fit()
-    reference = {name: {k: v.clone() for k, v in m.state_dict().items()}
-                 for name, m in iter_layers(trainer.adapter)}
-    reference_s = time.perf_counter() - t0
+    return {name: {k: v.clone() for k, v in m.state_dict().items()}
+            for name, m in iter_layers(trainer.adapter)}
 
+
+def _run_rows(args: argparse.Namespace, rows: list[str], reference: dict) -> list[dict]:
+    """Each fault row, then the driver killed and resumed by hand, on one Ray cluster; a row
+    that fails keeps its error, not the others' figures."""
     results: list[dict[str, Any]] = []
     start_ray(args.num_cpus, args.object_store_mb, log_to_driver=False)
     try:
@@ -302,7 +312,23 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         ray.shutdown()
+    return results
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    if not rows or set(rows) - set(FAULTS):
+        parser.error(f"--rows {args.rows}: choose among {', '.join(FAULTS)}")
+    torch.set_num_threads(1)
+    args.out = args.out.resolve()  # the fault's marker path is read in the workers' own folder
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "runs").mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    reference = _reference(args.out)
+    reference_s = time.perf_counter() - t0
+    results = _run_rows(args, rows, reference)
     fault_free = next((r for r in results if r["row"] == "none" and "error" not in r), None)
     if fault_free is not None:
         params = final_params(fault_free["checkpoint"])
@@ -319,22 +345,13 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")},
         "machine": {"cpus": os.cpu_count(), "load_after": os.getloadavg(),
                     "benchmark_s": time.perf_counter() - t0},
-        "definitions": {
-            "wall_s": "the pt_ray.fit call (driver row: driver start to its kill, plus the "
-                      "resumed fit call)",
-            "extra": "wall_s less the fault-free row's",
-            "resumed_after_epoch": "rank 0's 'resumed after epoch N' lines in the worker logs "
-                                   "(driver row: the checkpoint resume_from took)",
-            "max_abs_diff": "largest |parameter - reference trainer's| in the final checkpoint",
-            "vs_fault_free": "largest |parameter - the fault-free row's| in the final checkpoint",
-        },
+        "definitions": DEFINITIONS,
         "rows": results,
     }
     (args.out / "faults.json").write_text(json.dumps(data, indent=2))
     (args.out / "faults.md").write_text(md + "\n")
     print(md)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -68,6 +68,7 @@ from pt_ray.core.config import RunConfig
 from pt_ray.control.state import merge_costs
 from pt_ray.core.plan import CostTable, replica_batch
 from pt_ray.costs.costmodel import load_hardware
+from pt_ray.costs.hwprofile import HardwareProfile
 from pt_ray.costs.replay import (
     RecordedEpoch,
     epoch_ends,
@@ -368,54 +369,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    data = json.loads(args.measured.read_text())
-    for arm in ("baseline", "pt-ray"):
-        if arm not in data.get("runs", {}):
-            raise SystemExit(f"{args.measured}: no '{arm}' runs")
-    if data.get("engine", "ray") != "ray":
-        raise SystemExit("the measured run is not on the Ray engine")
-    out_path = args.out or args.measured.with_name("predict.json")
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg, cfg_note = job_config(data)
-    splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-    adapter = build_model_for(cfg, splits)
-    num_train, num_eval = len(splits.train), len(splits.eval)
-    traffic = 7.0 if cfg.optimizer.name == "adamw" else 5.0  # costmodel.step_time's doc
-    arms = [a for a in data["runs"]]
-    cfgs = {a: arm_config(data, cfg, a) for a in arms}
-
-    sizes = sorted({replica_batch(cfgs[a].data.batch_size, rec["num_replicas"],
-                                  cfgs[a].batch_policy) // rec["num_microbatches"]
-                    for a in arms for run in data["runs"][a] for rec in run["timeline"]})
-    t0 = time.perf_counter()
-    costs = profile(adapter, splits, sizes, args.profiles, args.repeats)
-    profile_s = time.perf_counter() - t0
-
+def _calibrations(data: dict[str, Any], cfgs: dict[str, Any], costs: dict, num_train: int,
+                  traffic: float, overhead_s: float | None
+                  ) -> tuple[str, dict[str, dict], dict[str, HardwareProfile]]:
+    """The calibrations of the per-micro-batch overhead o (from the baseline arm's same-plan
+    epochs, or as given) and the hardware variant of each; the shipped o is a cross-check."""
     shipped = load_hardware(HARDWARE)
-    # o from the baseline arm's same-plan epochs, or as given; the shipped o is a cross-check.
     o, info = calibrate_from_baseline(data, cfgs["baseline"], costs, shipped, num_train, traffic)
     cals = {"baseline": {**info, "per_microbatch_overhead_s": o}}
     primary = "baseline"
-    if args.overhead_s is not None:
-        cals["fixed"] = {"method": "fixed (--overhead-s)",
-                         "per_microbatch_overhead_s": args.overhead_s}
+    if overhead_s is not None:
+        cals["fixed"] = {"method": "fixed (--overhead-s)", "per_microbatch_overhead_s": overhead_s}
         primary = "fixed"
     variants = {name: replace(shipped, per_microbatch_overhead_s=cal["per_microbatch_overhead_s"],
                               name=f"{HARDWARE}+{name}")
                 for name, cal in cals.items()}
     variants["shipped"] = shipped
+    return primary, cals, variants
 
+
+def predict_measured(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Profile the measured job's model here, calibrate, and predict every arm of ``data``."""
+    cfg, cfg_note = job_config(data)
+    splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    adapter = build_model_for(cfg, splits)
+    num_train, num_eval = len(splits.train), len(splits.eval)
+    traffic = 7.0 if cfg.optimizer.name == "adamw" else 5.0  # costmodel.step_time's doc
+    cfgs = {a: arm_config(data, cfg, a) for a in data["runs"]}
+    sizes = sorted({replica_batch(cfgs[a].data.batch_size, rec["num_replicas"],
+                                  cfgs[a].batch_policy) // rec["num_microbatches"]
+                    for a in cfgs for run in data["runs"][a] for rec in run["timeline"]})
+    t0 = time.perf_counter()
+    costs = profile(adapter, splits, sizes, args.profiles, args.repeats)
+    profile_s = time.perf_counter() - t0
+    primary, cals, variants = _calibrations(data, cfgs, costs, num_train, traffic,
+                                            args.overhead_s)
     meas = measured(data)
     fixed = fixed_costs(data)
     preds = {variant: predict_variant(data, cfgs, costs, h, num_train, num_eval, traffic,
                                       fixed, meas)
              for variant, h in variants.items()}
-    met = targets_met(preds[primary])
-    result = {
+    return {
         "measured_json": str(args.measured),
         "measured_command": data.get("command"),
         "config": cfg_note,
@@ -435,8 +429,22 @@ def main(argv: list[str] | None = None) -> int:
         "measured": meas,
         "prediction": preds,
         "targets": {"wall": TARGET_WALL, "speedup": TARGET_SPEEDUP},
-        "met": met,
+        "met": targets_met(preds[primary]),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    data = json.loads(args.measured.read_text())
+    for arm in ("baseline", "pt-ray"):
+        if arm not in data.get("runs", {}):
+            raise SystemExit(f"{args.measured}: no '{arm}' runs")
+    if data.get("engine", "ray") != "ray":
+        raise SystemExit("the measured run is not on the Ray engine")
+    out_path = args.out or args.measured.with_name("predict.json")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    result = predict_measured(data, args)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2, default=float))
     print(report(result))
@@ -488,12 +496,10 @@ def per_plan_lines(epochs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report(res: dict[str, Any]) -> str:
+def _report_head(res: dict[str, Any]) -> list[str]:
+    """Where the measurement came from, the profile, the calibration and the constants."""
     primary = res["primary"]
-    meas, c = res["measured"], res["prediction"][primary]
-    cals = res["calibration"]
-    fx = res["fixed_costs"]
-    prof = res["profile"]
+    cals, fx, prof = res["calibration"], res["fixed_costs"], res["profile"]
     lines = [
         f"measured: {res['measured_json']}",
         f"  {res['measured_command']}",
@@ -511,8 +517,12 @@ def report(res: dict[str, Any]) -> str:
         f"start-up {_s(fx['startup_s'], 0)} s, teardown {_s(fx['teardown_s'], 0)} s, report "
         f"{fx['report_s']:.3f} s/epoch; report poll every {fx['poll_s']:g} s "
         f"({fx['poll_s_source']})")
-    lines += [
-        "",
+    return lines
+
+
+def _arm_lines(c: dict[str, Any], meas: dict[str, Any]) -> list[str]:
+    """Each arm's predicted train, eval and wall time against the measured."""
+    lines = [
         f"{'arm':<9}{'train pred':>11}{'meas':>7}{'err':>8}{'best-ep':>9}{'err':>8}"
         f"{'eval p/m':>11}{'wall pred':>10}{'meas':>7}{'err':>8}",
     ]
@@ -528,7 +538,12 @@ def report(res: dict[str, Any]) -> str:
                      + ", ".join(f"{x:.1f}" for x in m["train_time_per_repeat_s"])
                      + f" s (error {per}); wall "
                      + ", ".join(f"{x:.1f}" for x in m["wall_time_per_repeat_s"]) + " s")
-    lines += [
+    return lines
+
+
+def _ratio_lines(c: dict[str, Any], meas: dict[str, Any]) -> list[str]:
+    """The predicted speedup and wall-time ratio against the measured."""
+    return [
         "(meas: median over repeats; best-ep: each epoch at its fastest repeat; eval p/m: "
         "predicted/measured evaluation s)",
         "",
@@ -548,6 +563,14 @@ def report(res: dict[str, Any]) -> str:
         "",
         "per plan (pt-ray, repeat 0): predicted vs measured epoch",
     ]
+
+
+def report(res: dict[str, Any]) -> str:
+    primary = res["primary"]
+    meas, c = res["measured"], res["prediction"][primary]
+    lines = _report_head(res)
+    lines += ["", *_arm_lines(c, meas)]
+    lines += _ratio_lines(c, meas)
     lines += per_plan_lines(c["arms"]["pt-ray"]["runs"][0]["epochs"])
     lines.append("")
     for name, v in res["prediction"].items():

@@ -144,6 +144,10 @@ def test_step_interval_transitions_mid_epoch_match_reference():
     results = run_ranks(train_rank, 2, cfg)
     timeline = results[0][1]
     assert [r.num_frozen for r in timeline] == [2, 3, 3]
+    # Steps 0-3 of epoch 0 trained with nothing frozen and steps 4-5 with 2 blocks frozen: the
+    # mean over its steps is 2 x 2 / 6, which only a transition at step 4 gives.
+    assert timeline[0].mean_frozen == pytest.approx(2 * 2 / 6)
+    assert [r.mean_frozen for r in timeline[1:]] == [3, 3]
     assert timeline[0].transition_time_s > 0
     ref_timeline = assert_same_parameters(results, cfg)
     assert [r.num_frozen for r in ref_timeline] == [2, 3, 3]

@@ -1,5 +1,11 @@
-"""The run simulator: the paper check (ViT-B/16 on ImageNet on the paper's cluster), the
-ablations' mechanics, and input errors.
+"""The run simulator: calibrated regression guards on the paper's run (ViT-B/16 on ImageNet on
+the paper's cluster), the ablations' mechanics, and input errors.
+
+The ``test_calibrated_guard_*`` tests are regression guards, not validation. The cost model's
+constants were fitted to this very run's published figures (below), so these tests hold the
+fitted model where it was fitted: a change that moves them changed the model, and must say why.
+They do not show that the model predicts runs it was not fitted to; ``bench/predict_local.py``
+compares predictions with measured local runs for that.
 
 The paper check predicts Table 1's ImageNet run as the 2021 code ran it (``pt-ray plan
 --as-2021``): ViT-B/16, 1,281,167 images, 2 nodes x 8 RTX 5000, K0 = 8, GPipe, 400 images per
@@ -43,7 +49,7 @@ def paper_run(**kw):
     return simulate(analytic_costs(VIT_B16, PAPER_HW), PAPER_HW, **args)
 
 
-def test_paper_check_speedup_and_ablations():
+def test_calibrated_guard_speedup_and_ablations_stay_near_the_paper():
     res = paper_run()
     got = res.speedups()
     paper = {"freeze_only": 0.95, "freeze_autopipe_autocache": 1.26,
@@ -56,7 +62,7 @@ def test_paper_check_speedup_and_ablations():
             < got["freeze_autopipe_autodp"] < got["all"])
 
 
-def test_paper_check_timeline_matches_the_2021_code():
+def test_calibrated_guard_timeline_follows_the_2021_code():
     res = paper_run()
     run = res.run.epochs
     assert [e.num_frozen for e in run] == [0, 4, 7, 9, 10, 11, 11, 12, 12, 12]
@@ -70,8 +76,9 @@ def test_paper_check_timeline_matches_the_2021_code():
     assert run[-1].throughput == pytest.approx(7400, rel=0.15)
 
 
-def test_baseline_microbatch_sweep_matches_the_published_one():
-    # log/Chunk_num_analysis.md: K = 8, batch 400, images/s per pipeline (M = 6 held out).
+def test_calibrated_guard_microbatch_sweep_stays_on_the_published_one():
+    # log/Chunk_num_analysis.md: K = 8, batch 400, images/s per pipeline. The device's
+    # efficiency and the per-micro-batch overhead were fitted to these points (M = 6 held out).
     published = {6: 188, 8: 200, 16: 210, 24: 210, 32: 180}
     costs = analytic_costs(VIT_B16, PAPER_HW)
     base = build_planner("2021", costs, PAPER_HW, 16, cache="off", batch_size=400,

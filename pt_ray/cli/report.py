@@ -42,11 +42,13 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_report(args: argparse.Namespace) -> int:
     """Run ``pt-ray report``: print the table, write the PNG; 0 on success, 2 on a bad path."""
-    from pt_ray.reporting.report import format_table, load_summary, render_report
+    from pt_ray.reporting.report import format_table, render_report
+    from pt_ray.reporting.summary import read_summary
 
     try:
-        summary = load_summary(args.run_dir)
-        baseline = load_summary(args.baseline) if getattr(args, "baseline", None) else None
+        summary = read_summary(args.run_dir, need_epochs=True)
+        baseline = (read_summary(args.baseline, need_epochs=True)
+                    if getattr(args, "baseline", None) else None)
     except (FileNotFoundError, ValueError) as err:
         print(f"pt-ray: error: {err}", file=sys.stderr)
         return 2

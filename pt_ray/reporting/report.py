@@ -22,15 +22,14 @@ The table ends with every rank's memory under each layout beside the planner's e
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pt_ray.reporting.files import replaced_atomically
-from pt_ray.reporting.summary import ideal_speedup
+from pt_ray.reporting.summary import ideal_speedup, read_summary
 
 __all__ = [
     "Transition",
@@ -38,8 +37,7 @@ __all__ = [
     "cache_nodes_table",
     "format_comparison",
     "format_table",
-    "load_summary",
-    "memory_table",
+        "memory_table",
     "render_report",
     "rollback_lines",
     "train_time_s",
@@ -47,42 +45,6 @@ __all__ = [
 ]
 
 SummaryLike = Mapping[str, Any] | str | Path
-
-
-def load_summary(source: SummaryLike) -> dict[str, Any]:
-    """A summary dict from a dict, a ``summary.json`` path or a run folder holding one.
-
-    Raises:
-        FileNotFoundError: no ``summary.json`` at the path (the message names it).
-        ValueError: the file is not a pt-ray summary (no ``timeline``) or has no epochs.
-    """
-    if isinstance(source, Mapping):
-        summary = dict(source)
-        where = "the summary"
-    else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path} does not exist: pass a run folder (holding the summary.json that "
-                f"`pt-ray train` writes) or a summary.json file")
-        if path.is_dir():
-            path = path / "summary.json"
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path} not found: is {path.parent} a pt-ray run folder? `pt-ray train` "
-                    f"writes summary.json when a run ends")
-        try:
-            summary = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from err
-        where = str(path)
-    timeline = summary.get("timeline")
-    if not isinstance(timeline, list):
-        raise ValueError(f"{where} has no 'timeline' list; is it a pt-ray summary.json?")
-    if not timeline:
-        raise ValueError(f"{where} has no epochs in its timeline; nothing to report")
-    summary["timeline"] = [asdict(r) if is_dataclass(r) else dict(r) for r in timeline]
-    return summary
 
 
 @dataclass(frozen=True)
@@ -167,9 +129,9 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
     speedup of training time and its fraction of the bound.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`load_summary`.
+        FileNotFoundError, ValueError: see :func:`pt_ray.reporting.summary.read_summary`.
     """
-    s = load_summary(summary)
+    s = read_summary(summary, need_epochs=True)
     tl = s["timeline"]
     metric = s.get("metric_name") or "metric"
     changes = {t.epoch: t.label() for t in transitions(tl)}
@@ -206,7 +168,7 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
     for line_ in rollback_lines(s):
         foot += "\n" + line_
     if baseline is not None:
-        foot += "\n" + _speedup_line(s, load_summary(baseline))
+        foot += "\n" + _speedup_line(s, read_summary(baseline, need_epochs=True))
     memory = memory_table(s)
     nodes = cache_nodes_table(s)
     return "\n".join([title, line(head), rule, *(line(r) for r in rows), rule, foot]
@@ -219,7 +181,7 @@ def cache_nodes_table(summary: SummaryLike) -> str:
     (objects), rows refused (budget or backlog) and bytes the node's store spilled to disk,
     under the cache's distinct size (each row once) beside what the nodes store together
     (copies included); ``""`` for a run without it."""
-    s = load_summary(summary)
+    s = read_summary(summary, need_epochs=True)
     cache = s.get("cache") or {}
     nodes = cache.get("nodes") or {}
     if not nodes:
@@ -253,7 +215,7 @@ def memory_table(summary: SummaryLike) -> str:
     against the measured peak (``estimate / peak - 1``). See
     :class:`pt_ray.reporting.summary.RankMemory`.
     """
-    s = load_summary(summary)
+    s = read_summary(summary, need_epochs=True)
     tl = [r for r in s["timeline"] if r.get("memory")]
     if not tl:
         return ""
@@ -317,7 +279,7 @@ def format_comparison(runs: Mapping[str, SummaryLike]) -> str:
     Args:
         runs: a label per run (e.g. ``"alpha=0.2"``) and its summary, summary path or run folder.
     """
-    loaded = {label: load_summary(src) for label, src in runs.items()}
+    loaded = {label: read_summary(src, need_epochs=True) for label, src in runs.items()}
     metrics = {s.get("metric_name") or "metric" for s in loaded.values()}
     metric = metrics.pop() if len(metrics) == 1 else "metric"
     head = ["run", "epochs", "frozen/L", "K", "R", "train s", "wall s", "samples/s", "ideal",
@@ -373,14 +335,14 @@ def render_report(summary: SummaryLike, out_png: str | Path,
         The PNG's path.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`load_summary`.
+        FileNotFoundError, ValueError: see :func:`pt_ray.reporting.summary.read_summary`.
     """
     # A bare Figure renders with Agg and leaves pyplot (and a notebook's backend) alone.
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    s = load_summary(summary)
-    base = load_summary(baseline) if baseline is not None else None
+    s = read_summary(summary, need_epochs=True)
+    base = read_summary(baseline, need_epochs=True) if baseline is not None else None
     tl = s["timeline"]
     x = [r["epoch"] + 1 for r in tl]
     L = max(r["num_layers"] for r in tl)

@@ -1,26 +1,32 @@
 """The run timeline and ``summary.json``: the contract benchmarks and reports read.
 
-Pure module. ``summary.json`` holds ``wall_time_s``, ``epochs``, ``metric_name``,
-``final_eval_metric``, ``timeline`` (one :class:`EpochRecord` per epoch), ``config`` (the
-resolved RunConfig), ``device`` (``cpu`` or ``cuda``: where the run trained) and ``precision``
-(the concrete compute precision: ``fp32``, ``bf16`` or ``fp16``, never ``auto``). Each
-record's ``memory`` lists every rank's :class:`RankMemory` for the epoch (empty in summaries
-written before it existed, and for the reference trainer).
+Pure module. ``summary.json`` is :class:`RunSummary`: ``wall_time_s``, ``epochs``,
+``metric_name``, ``final_eval_metric``, ``timeline`` (one :class:`EpochRecord` per epoch),
+``config`` (the resolved RunConfig), ``device`` (``cpu`` or ``cuda``: where the run trained),
+``precision`` (the concrete compute precision: ``fp32``, ``bf16`` or ``fp16``, never ``auto``)
+and what the engine adds (decisions, restarts, rollbacks, start-up). Each record's ``memory``
+lists every rank's :class:`RankMemory` for the epoch (empty for the reference trainer).
+:func:`write_summary` writes it and :func:`read_summary` is its one loader: both check it
+against the model.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pt_ray.reporting.files import write_text_atomically
 
 __all__ = [
     "EpochRecord",
     "RankMemory",
+    "RunSummary",
     "format_epoch",
     "ideal_speedup",
     "read_summary",
@@ -169,6 +175,52 @@ def ideal_speedup(timeline: list[EpochRecord] | list[dict], cached: bool = False
     return base / run if run else float("inf")
 
 
+class RunSummary(BaseModel):
+    """``summary.json``: what a finished run wrote (the fields every run has typed; the engine's
+    own extras, such as the cache's figures, kept as they are). A run writes every field; a
+    summary put together by hand (a notebook's, a test's) needs only the timeline.
+
+    Attributes:
+        wall_time_s: the run's wall time (dataset and model build, training, evaluation,
+            checkpoints; the driver's preflight excluded).
+        epochs: epochs in the timeline.
+        metric_name: the eval metric's name (``accuracy``, ``f1``, ...).
+        final_eval_metric: the last epoch's eval metric (None without epochs).
+        timeline: one record per epoch trained (after a rollback, the epochs trained again).
+        config: the resolved RunConfig, as JSON.
+        device: ``cpu`` or ``cuda``: where the run trained.
+        precision: the concrete compute precision (``fp32``, ``bf16`` or ``fp16``).
+        engine: ``ray`` or ``reference``.
+        run_id: the Ray run's id (None for the reference engine).
+        checkpoint: the run's last checkpoint folder, if any.
+        decisions: the controller's freeze decisions.
+        restarts: worker-group restarts from a checkpoint.
+        rollbacks: the accuracy guard's rollbacks.
+        startup: where the start-up went, in seconds per part.
+        resumed_from: the checkpoint a resumed run continued and the epoch after which it
+            resumed.
+    """
+
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
+
+    timeline: list[EpochRecord]
+    metric_name: str = "accuracy"
+    wall_time_s: float | None = None
+    epochs: int | None = None
+    final_eval_metric: float | None = None
+    config: dict[str, Any] = {}
+    device: str | None = None
+    precision: str | None = None
+    engine: str = "ray"
+    run_id: str | None = None
+    checkpoint: str | None = None
+    decisions: list[dict[str, Any]] = []
+    restarts: int = 0
+    rollbacks: list[dict[str, Any]] = []
+    startup: dict[str, float] = {}
+    resumed_from: dict[str, Any] | None = None
+
+
 def write_summary(
     path: Path,
     *,
@@ -180,25 +232,54 @@ def write_summary(
     precision: str,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``summary.json`` and return what was written."""
-    summary = {
-        "wall_time_s": wall_time_s,
-        "epochs": len(timeline),
-        "metric_name": metric_name,
-        "final_eval_metric": timeline[-1].eval_metric if timeline else None,
-        "timeline": [asdict(r) for r in timeline],
-        "config": config,
-        "device": device,
-        "precision": precision,
-        **(extra or {}),
-    }
-    write_text_atomically(path, json.dumps(summary, indent=2))
-    return summary
+    """Write ``summary.json`` (checked against :class:`RunSummary`) and return what was
+    written, as :func:`read_summary` returns it."""
+    summary = RunSummary(
+        wall_time_s=wall_time_s, epochs=len(timeline), metric_name=metric_name,
+        final_eval_metric=timeline[-1].eval_metric if timeline else None, timeline=timeline,
+        config=config, device=device, precision=precision, **(extra or {}))
+    write_text_atomically(path, summary.model_dump_json(indent=2))
+    return summary.model_dump()
 
 
-def read_summary(path: Path) -> dict[str, Any]:
-    """Read a ``summary.json`` (or the one inside a run folder)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "summary.json"
-    return json.loads(path.read_text())
+def read_summary(source: Path | str | Mapping[str, Any], *,
+                 need_epochs: bool = False) -> dict[str, Any]:
+    """The one loader of ``summary.json``: from a run folder, the file, or a dict. The content
+    is checked against :class:`RunSummary`; the result is plain data (each timeline record a
+    dict).
+
+    Raises:
+        FileNotFoundError: no ``summary.json`` at the path (the message names it).
+        ValueError: the file is not JSON or not a pt-ray summary (the message names the file
+            and the first field that is wrong), or, with ``need_epochs``, has no epochs.
+    """
+    if isinstance(source, Mapping):
+        data, where = dict(source), "the summary"
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} does not exist: pass a run folder (holding the summary.json that "
+                f"`pt-ray train` writes) or a summary.json file")
+        if path.is_dir():
+            path = path / "summary.json"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} not found: is {path.parent} a pt-ray run folder? `pt-ray train` "
+                    f"writes summary.json when a run ends")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+        where = str(path)
+    if not isinstance(data.get("timeline"), list):
+        raise ValueError(f"{where} has no 'timeline' list; is it a pt-ray summary.json?")
+    if need_epochs and not data["timeline"]:
+        raise ValueError(f"{where} has no epochs in its timeline; nothing to report")
+    try:
+        return RunSummary.model_validate(data).model_dump()
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{where}: {field}: {first['msg']}; is it a summary.json this "
+                         "version of pt-ray wrote?") from None

@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from pt_ray.reporting.report import load_summary, train_time_s
-from pt_ray.reporting.summary import ideal_speedup
+from pt_ray.reporting.report import train_time_s
+from pt_ray.reporting.summary import ideal_speedup, read_summary
 
 __all__ = ["SCALAR_TAGS", "scalar_tags", "write_tensorboard"]
 
@@ -67,11 +67,11 @@ def write_tensorboard(summary: Mapping[str, Any] | str | Path, logdir: str | Pat
         ``logdir``.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`pt_ray.reporting.report.load_summary`.
+        FileNotFoundError, ValueError: see :func:`pt_ray.reporting.summary.read_summary`.
     """
     from tensorboardX import SummaryWriter
 
-    s = load_summary(summary)
+    s = read_summary(summary, need_epochs=True)
     tl = s["timeline"]
     tags = scalar_tags(s.get("metric_name") or "metric")
     logdir = Path(logdir).expanduser()
