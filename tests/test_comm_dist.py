@@ -130,28 +130,27 @@ def test_every_tensor_handed_to_a_group_is_on_its_device_and_nothing_is_pickled(
 
 def inject_inf_run(rank, world, cfg, target_rank, bad_step):
     """Train ``steps`` steps by hand; on ``target_rank`` one gradient turns inf at ``bad_step``
-    before the data-parallel reduction. Returns per step whether this rank's primary parameters
-    moved, and the loss scale after each step."""
+    in the backward, before DDP reduces it over the replicas. Returns per step whether this
+    rank's primary parameters moved, and the loss scale after each step."""
     import numpy as np
-
-    import pt_ray.runtime.step as engine
 
     worker = make_worker(cfg, world)
     worker.start()
     # A scale that fp16 holds here without overflow, so the only inf is the injected one.
     worker.scaler.scale = 2.0**10
-    original = engine.all_reduce_grads
     step_box = [0]
+    names = worker.plan.stage_layers(worker.topo.stage)
+    target = next(p for n in names for p in worker.modules[n].parameters() if p.requires_grad)
 
-    def poisoned(comm, params, group, r):
+    def poisoned(grad):  # during backward, before DDP reduces the gradient
         if rank == target_rank and step_box[0] == bad_step:
-            params[0].grad.view(-1)[0] = float("inf")
-        return original(comm, params, group, r)
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
 
-    engine.all_reduce_grads = poisoned
+    target.register_hook(poisoned)
     order = worker.sampler.epoch_order(0)
     moved, scales, opt_steps = [], [], []
-    names = worker.plan.stage_layers(worker.topo.stage)
     for step in range(4):
         step_box[0] = step
         before = {n: [p.detach().clone() for p in worker.modules[n].parameters()] for n in names}
@@ -163,7 +162,6 @@ def inject_inf_run(rank, world, cfg, target_rank, bad_step):
         first = next(p for n in names for p in worker.modules[n].parameters())
         state = worker.optimizer.state.get(first, {})
         opt_steps.append(float(state["step"]) if "step" in state else 0.0)
-    engine.all_reduce_grads = original
     worker.close()
     return moved, scales, opt_steps, np.isfinite(worker.scaler.scale)
 

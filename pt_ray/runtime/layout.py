@@ -155,10 +155,11 @@ class Layout:
                 {b: list(self.adapter.blocks[b].parameters()) for b in range(first, end)},
                 first, end - first, self.device)
         self.schedule = None
-        if plan.pipeline_length == 1 and self.topo.dp_group is not None and trains:
-            # One stage per replica: DDP itself reduces the gradients, in buckets launched from
-            # gradient hooks during backward (what the peer runs). The replicas already hold
-            # the same parameters, so nothing is broadcast.
+        if self.topo.dp_group is not None and trains:
+            # DDP reduces the stage's gradients over its data-parallel group, in buckets
+            # launched from gradient hooks during backward (what the peer runs). At K > 1 the
+            # pipeline schedule drives it: earlier micro-batches run under no_sync, the last
+            # one reduces. The replicas already hold the same parameters: nothing is broadcast.
             self.ddp = DistributedDataParallel(
                 self.stage, process_group=self.topo.dp_group, init_sync=False,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -170,7 +171,7 @@ class Layout:
                                        self.cfg.batch_policy, self.cfg.optimizer.accumulation_steps)
             self.schedule = build_schedule(self.stage, plan, stage, self.topo.pipeline_group,
                                            self.device, self.loss, self.probe(),
-                                           pass_batch // plan.num_microbatches)
+                                           pass_batch // plan.num_microbatches, runner=self.ddp)
 
     def _hold(self, plan: Plan, stage: int) -> None:
         """Keep in storage, on the device, exactly the layers ``plan`` gives ``stage``: the

@@ -154,8 +154,11 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     shapes: Shapes,
     microbatch: int,
+    runner: torch.nn.Module | None = None,
 ):
-    """A ``torch.distributed.pipelining`` schedule for one stage of a K > 1 pipeline.
+    """A ``torch.distributed.pipelining`` schedule for one stage of a K > 1 pipeline; with
+    ``runner`` (``module`` under DDP over the stage's replicas) the schedule runs that, and
+    torch's stage reduces the gradients with the last micro-batch's backward.
 
     Each micro-batch's loss is divided by M before its backward, so with equal micro-batches the
     gradients of one ``step`` equal the mean over the replica's batch, as one un-pipelined step
@@ -184,7 +187,7 @@ def build_schedule(
 
     first_in = shapes.state if module.state_inputs else shapes.inputs
     pipe_stage = pipelining.PipelineStage(
-        module, stage, plan.pipeline_length, device,
+        runner if runner is not None else module, stage, plan.pipeline_length, device,
         input_args=(examples(first_in, False) if module.is_first
                     else examples(shapes.state, True)),
         output_args=examples(shapes.output if module.is_last else shapes.state, True),

@@ -9,9 +9,9 @@
    (:class:`pt_ray.runtime.prefix.CachedPrefix`), then its active blocks; the schedule
    (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
    and the loss; K = 1 runs without a pipeline;
-3. gradients of trained parameters are averaged over the stage's data-parallel group (frozen ones
-   never are): at K = 1 by DDP over that group, during the last pass's backward; with a
-   pipeline, in buckets after the last pass; per-block gradient norms are recorded; the global
+3. gradients of trained parameters are averaged over the stage's data-parallel group by DDP,
+   during backward (frozen ones never are): at K = 1 in the last pass's backward; with a
+   pipeline, with each pass's last micro-batch; per-block gradient norms are recorded; the global
    norm is clipped across stages (fp16: unscaled, and a step with an inf/nan anywhere is skipped
    on every rank);
 4. the optimizer steps with the learning rate of the run's progress.
@@ -35,7 +35,7 @@ from pt_ray.runtime.norms import GradNormMeter
 from pt_ray.runtime.optim import lr_factor, set_lr
 from pt_ray.runtime.precision import LossScaler
 from pt_ray.runtime.prefix import CachedPrefix
-from pt_ray.runtime.sync import all_reduce_grads, clip_grad_norm
+from pt_ray.runtime.sync import clip_grad_norm
 
 __all__ = ["Stepper"]
 
@@ -113,14 +113,12 @@ class Stepper:
         return share
 
     def _reduce_and_clip(self) -> bool:
-        """Average the gradients over the replicas (unless DDP did), record the per-block
-        norms and clip the global norm; False when fp16 found an inf/nan (the step is
-        skipped on every rank)."""
+        """Record the per-block norms of the gradients (DDP averaged them over the replicas
+        during backward) and clip the global norm; False when fp16 found an inf/nan (the step
+        is skipped on every rank)."""
         layout = self.layout
         scale = self.scaler.scale if self.scaler is not None else 1.0
         params = [p for p in layout.stage.parameters() if p.requires_grad]
-        if layout.ddp is None:  # DDP reduced them during backward
-            all_reduce_grads(self.comm, params, layout.topo.dp_group, layout.plan.num_replicas)
         # One pass over the gradients gives the global norm and the per-block ones.
         total, block_norms = clip_grad_norm(self.comm, params, self.cfg.optimizer.grad_clip,
                                             layout.topo.pipeline_group, inv_scale=1.0 / scale,

@@ -1,5 +1,5 @@
-"""Collectives of a training step: data-parallel gradient averaging, and global-norm clipping
-that also unscales fp16 gradients and finds an inf/nan on any rank.
+"""Global-norm clipping across a pipeline that also unscales fp16 gradients and finds an inf/nan
+on any rank (DDP averages the gradients over the replicas before it).
 
 Every call goes through :class:`pt_ray.runtime.comm.Comm`, so gradients and norms sit on the
 group's device. Nothing here reads a value back to the host unless the caller asks for it
@@ -11,41 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pt_ray.runtime.comm import Comm
 
-__all__ = ["BlockIndex", "all_reduce_grads", "clip_grad_norm"]
-
-# Gradients are reduced in buckets of about this many bytes: one collective per bucket instead of
-# one per parameter.
-_BUCKET_BYTES = 25 * 2**20
-
-
-def all_reduce_grads(comm: Comm, params: Sequence[torch.nn.Parameter], group, world: int) -> None:
-    """Average the gradients of ``params`` over a data-parallel group (bucketed).
-
-    Only parameters that are trained here are passed in: frozen parameters are never reduced.
-    """
-    if group is None or world == 1:
-        return
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in (p.grad for p in params if p.grad is not None):
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        if size >= _BUCKET_BYTES:
-            _reduce_bucket(comm, bucket, group, world)
-            bucket, size = [], 0
-    if bucket:
-        _reduce_bucket(comm, bucket, group, world)
-
-
-def _reduce_bucket(comm: Comm, bucket: list[torch.Tensor], group, world: int) -> None:
-    flat = comm.all_reduce(_flatten_dense_tensors(bucket), group=group)
-    flat.div_(world)
-    for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-        g.copy_(reduced)
+__all__ = ["BlockIndex", "clip_grad_norm"]
 
 
 def clip_grad_norm(
