@@ -378,14 +378,6 @@ def load_cifar(
     )
 
 
-def _scan(split_dir: Path) -> dict[str, list[Path]]:
-    classes = sorted(d for d in split_dir.iterdir() if d.is_dir())
-    return {
-        d.name: sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
-        for d in classes
-    }
-
-
 def load_imagefolder(
     root: str | Path,
     *,
@@ -417,27 +409,33 @@ def load_imagefolder(
         f"{root}/train/<class>/*.png|jpg|... and {root}/val/<class>/*.png|jpg|... "
         f"(extensions: {', '.join(IMAGE_EXTENSIONS)})"
     )
-    splits: dict[str, dict[str, list[Path]]] = {}
+    from torchvision.datasets.folder import find_classes, make_dataset
+
+    found: dict[str, list[tuple[str, int]]] = {}
     for split in ("train", "val"):
         d = root / split
         if not d.is_dir():
             raise ConfigError(f"image folder {str(d)!r} not found; set data.path to a "
                               f"folder laid out as {layout}")
-        splits[split] = _scan(d)
-        if not any(splits[split].values()):
+        # torchvision's ImageFolder scan: sorted class folders, files (in sub-folders too) by
+        # extension, case-insensitive.
+        names, index = find_classes(d) if any(p.is_dir() for p in d.iterdir()) else ([], {})
+        found[split] = [(path, names[i]) for path, i in make_dataset(
+            d, index, extensions=IMAGE_EXTENSIONS, allow_empty=True)]
+        if not found[split]:
             raise ConfigError(f"no images found under {str(d)!r}; set data.path to a "
                               f"folder laid out as {layout}")
-    classes = sorted(c for c, files in splits["train"].items() if files)
-    unknown = sorted(c for c, files in splits["val"].items() if files and c not in classes)
+    # A class is a train folder that holds images; val may not bring new ones.
+    classes = sorted({c for _, c in found["train"]})
+    unknown = sorted({c for _, c in found["val"]} - set(classes))
     if unknown:
         raise ConfigError(
             f"{str(root / 'val')!r} has classes {unknown} with no training images under "
             f"{str(root / 'train')!r}; add them to train/ or remove them from val/"
         )
-    parts = {}
-    for part, split in (("train", "train"), ("eval", "val")):
-        files = [(f, i) for i, c in enumerate(classes) for f in splits[split].get(c, [])]
-        parts[part] = ([f for f, _ in files], [i for _, i in files])
+    ids = {c: i for i, c in enumerate(classes)}
+    parts = {part: ([Path(f) for f, _ in found[split]], [ids[c] for _, c in found[split]])
+             for part, split in (("train", "train"), ("eval", "val"))}
     return image_splits("imagefolder", root, parts, len(classes), image_size, augment, seed,
                         skip_damaged)
 
