@@ -250,6 +250,38 @@ def test_checkpoint_of_four_workers_resumes_on_two_and_matches_reference(tmp_pat
     assert_same_parameters(results, cfg)
 
 
+def resume_fused(rank, world, cfg, directory):
+    """``resume_and_finish``, also returning whether the optimizer runs fused and whether every
+    ``step`` counter sits on its parameter's device (the fused kernels' rule)."""
+    from pathlib import Path
+
+    splits, adapter, control, plan = resume_parts(world, cfg, directory)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control))
+    first = worker.restore(Path(directory), plan)
+    timeline = worker.fit(first_epoch=first)
+    opt = worker.optimizer
+    steps_placed = all(st["step"].device == p.device for p, st in opt.state.items())
+    states = worker.layer_state_dicts()
+    worker.close()
+    return states, timeline, bool(opt.defaults.get("fused")), steps_placed
+
+
+def test_fused_adamw_through_migrations_a_checkpoint_and_a_resume_matches_reference(tmp_path):
+    # optimizer.fused=on runs torch's fused AdamW on the CPU here (auto does so on CUDA): its
+    # state goes through a checkpoint, a resume on 2 workers and the transitions after it, and
+    # the run still ends on the reference's parameters (the reference runs fused AdamW too).
+    optimizer = {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2, "fused": "on"}
+    cfg = config(VIT, "1f1b", 4, optimizer=optimizer)
+    run_ranks(train_then_checkpoint, 4, cfg, str(tmp_path), 1)
+    results = run_ranks(resume_fused, 2, config(VIT, "1f1b", 2, optimizer=optimizer),
+                        str(tmp_path))
+    assert all(fused and placed for _, _, fused, placed in results)
+    timeline = results[0][1]
+    assert len({(r.pipeline_length, r.num_replicas) for r in timeline}) == 2  # a transition
+    assert_same_parameters([r[:2] for r in results], cfg)
+
+
 def guarded_rank(rank, world, cfg, metrics):
     """``train_rank`` with the eval metric scripted per epoch (the accuracy guard's input)."""
     splits = build_dataset(cfg.data, seed=cfg.seed)

@@ -359,6 +359,9 @@ class OptimizerConfig(_Section):
     """Clip the global gradient norm of the active parameters to this value (None: no clip)."""
     scale_lr_with_replicas: bool = False
     """With ``batch_policy=per_replica``, scale ``lr`` linearly with the number of replicas."""
+    fused: Literal["auto", "on", "off"] = "auto"
+    """AdamW's fused kernels: ``auto`` on CUDA, ``on`` on any device torch has them for (CPU
+    too), ``off`` never (torch's multi-tensor kernels)."""
     accumulation_steps: int = Field(default=1, ge=1)
     """Gradient accumulation, for a batch whose activations do not fit: each optimizer step
     still covers ``data.batch_size`` samples (the global batch; per replica under

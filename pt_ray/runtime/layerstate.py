@@ -5,7 +5,7 @@ A layer's entry is ``{"params": state_dict, "optim": [state per parameter]}`` wi
 tensor on the CPU; ``optim`` is there for the layers that train (a frozen layer has no
 optimizer state). :func:`capture_layers` makes the entries, :func:`load_layers_into` puts them
 back into the modules and returns the optimizer state that the next optimizer takes
-(:data:`pt_ray.runtime.migrate.LayerStates`, tensors on the parameters' device).
+(:data:`pt_ray.runtime.migrate.LayerStates`).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def capture_layers(modules: Mapping[str, nn.Module], names: Iterable[str],
 def load_layers_into(modules: Mapping[str, nn.Module], entries: Mapping[str, dict[str, Any]],
                      trained: Collection[str], device: torch.device) -> LayerStates:
     """Load the entries' parameters into their modules (given storage on ``device`` first if
-    they had none here) and return the optimizer state of the ``trained`` layers, each tensor
-    on its parameter's device except the ``step`` counter, which stays a host value."""
+    they had none here) and return the optimizer state of the ``trained`` layers, as the
+    entries hold it (:func:`pt_ray.runtime.optim.adopt_states` places it on the devices)."""
     states: LayerStates = {}
     with torch.no_grad():
         for name, entry in entries.items():
@@ -64,8 +64,5 @@ def load_layers_into(modules: Mapping[str, nn.Module], entries: Mapping[str, dic
             materialise(module, device)
             module.load_state_dict(entry["params"])
             if name in trained and "optim" in entry:
-                states[name] = [
-                    {k: v.to(p.device) if torch.is_tensor(v) and k != "step" else v
-                     for k, v in st.items()}
-                    for p, st in zip(module.parameters(), entry["optim"])]
+                states[name] = list(entry["optim"])
     return states

@@ -26,7 +26,12 @@ from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.runtime.checkpoint import deal_layers
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.migrate import LayerStates, migrate
-from pt_ray.runtime.optim import build_optimizer, layer_param_groups, merge_groups
+from pt_ray.runtime.optim import (
+    adopt_states,
+    build_optimizer,
+    layer_param_groups,
+    merge_groups,
+)
 from pt_ray.runtime.owned import is_held, materialise, release, to_device
 from pt_ray.runtime.precision import Precision
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
@@ -137,11 +142,10 @@ class Layout:
     def _build_optimizer(self, trained: list[str], states: LayerStates) -> None:
         """The optimizer over the layers trained here, their state carried."""
         self.optimizer = build_optimizer(self.cfg.optimizer, merge_groups(layer_param_groups(
-            [(n, self.modules[n]) for n in trained], self.cfg.optimizer.weight_decay)))
-        for name in trained:
-            for p, s in zip(self.modules[name].parameters(), states.get(name, ())):
-                if s:
-                    self.optimizer.state[p] = s
+            [(n, self.modules[n]) for n in trained], self.cfg.optimizer.weight_decay)),
+            self.device)
+        adopt_states(self.optimizer, [pair for name in trained for pair in zip(
+            self.modules[name].parameters(), states.get(name, ()))])
 
     def _build_runner(self, plan: Plan, trains: bool) -> None:
         """Per-block norm bookkeeping, and DDP (K = 1) or the pipeline schedule (K > 1)."""

@@ -17,6 +17,7 @@ from torch import nn
 from pt_ray.core.config import OptimizerConfig
 
 __all__ = [
+    "adopt_states",
     "build_optimizer",
     "layer_param_groups",
     "lr_factor",
@@ -67,13 +68,39 @@ def merge_groups(groups: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def build_optimizer(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
-    """An AdamW or SGD optimizer over per-layer groups (see :func:`layer_param_groups`)."""
+def build_optimizer(cfg: OptimizerConfig, groups: list[dict],
+                    device: torch.device | None = None) -> torch.optim.Optimizer:
+    """An AdamW or SGD optimizer over per-layer groups (see :func:`layer_param_groups`).
+
+    AdamW runs torch's fused kernels when ``optimizer.fused`` says so: ``auto`` on CUDA
+    (``device``), ``on`` on any device, ``off`` never (the multi-tensor kernels instead)."""
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        fused = cfg.fused == "on" or (cfg.fused == "auto" and device is not None
+                                      and device.type == "cuda")
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas,
+                                 weight_decay=cfg.weight_decay, fused=fused or None)
     return torch.optim.SGD(
         groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
     )
+
+
+def adopt_states(optimizer: torch.optim.Optimizer,
+                 states: Iterable[tuple[nn.Parameter, dict]]) -> None:
+    """Give ``optimizer`` each parameter's carried state (from a migration, a checkpoint or a
+    snapshot), every tensor on the parameter's device; the ``step`` counter on the host, where
+    torch keeps it, except for fused AdamW, whose kernels read it on the device."""
+    fused = bool(optimizer.defaults.get("fused"))
+    for p, state in states:
+        if not state:
+            continue
+        placed = {}
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                v = v.to(p.device if k != "step" or fused else "cpu")
+                if k == "step":
+                    v = v.to(torch.float32)
+            placed[k] = v
+        optimizer.state[p] = placed
 
 
 def remove_layers(optimizer: torch.optim.Optimizer, layers: Iterable[str]) -> dict[str, list]:

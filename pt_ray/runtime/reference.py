@@ -50,6 +50,7 @@ from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
 from pt_ray.runtime.rollback import Rollback
 from pt_ray.runtime.sync import clip_grad_norm
 from pt_ray.runtime.optim import (
+    adopt_states,
     build_optimizer,
     layer_param_groups,
     lr_factor,
@@ -224,10 +225,8 @@ class ReferenceTrainer:
             layer_param_groups(iter_layers(self.adapter), self.cfg.optimizer.weight_decay),
         )
         remove_layers(self.optimizer, frozen)
-        for name, layer_states in states.items():
-            for p, st in zip(modules[name].parameters(), layer_states):
-                if st:
-                    self.optimizer.state[p] = st
+        adopt_states(self.optimizer, [pair for name, layer_states in states.items()
+                                      for pair in zip(modules[name].parameters(), layer_states)])
         self.global_step = snap.counters["global_step"]
         if self.scaler is not None:
             self.scaler.load_state_dict(snap.scaler)
