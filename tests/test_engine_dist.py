@@ -282,6 +282,30 @@ def test_fused_adamw_through_migrations_a_checkpoint_and_a_resume_matches_refere
     assert_same_parameters([r[:2] for r in results], cfg)
 
 
+def train_rank_compiled(rank, world, cfg):
+    """``train_rank``, also returning how many graphs torch compiled in this rank."""
+    from torch._dynamo.utils import counters
+
+    states, timeline = train_rank(rank, world, cfg)
+    return states, timeline, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.timeout(600)
+def test_compiled_blocks_equal_eager_across_freeze_transitions():
+    # pipeline.compile=on compiles each block on the CPU too (auto does so only on CUDA). Two
+    # ranks go through K 2 -> 1 as blocks freeze (trained and frozen graphs, new micro-batch
+    # sizes) and end within 1e-4 of the eager reference trainer's parameters.
+    cfg = config(VIT, "1f1b", 2, pipeline={"num_workers": 2, "schedule": "1f1b",
+                                           "policy": "paper", "compile": "on"})
+    results = run_ranks(train_rank_compiled, 2, cfg)
+    assert all(graphs > 0 for _, _, graphs in results)
+    timeline = results[0][1]
+    assert len({(r.num_frozen, r.pipeline_length) for r in timeline}) == 3
+    ref_timeline = assert_same_parameters([r[:2] for r in results], cfg)
+    for mine, ref in zip(timeline, ref_timeline):
+        assert mine.train_loss == pytest.approx(ref.train_loss, abs=1e-4)
+
+
 def guarded_rank(rank, world, cfg, metrics):
     """``train_rank`` with the eval metric scripted per epoch (the accuracy guard's input)."""
     splits = build_dataset(cfg.data, seed=cfg.seed)

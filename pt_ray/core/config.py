@@ -298,6 +298,11 @@ class PipelineConfig(_Section):
     blocks still move onto stage 0 (and may be cached) and the active ones are re-balanced over
     the same K stages, but no device is freed. At most L - K blocks then freeze, so that every
     stage keeps a trainable block (``freeze.max_frozen`` is capped, and the log says so)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """``torch.compile`` each Transformer block once (``auto``: on CUDA, eager on CPU). Blocks,
+    not stages, are compiled, so a re-plan rebuilds stages without compiling again; a block
+    gets a trained and a frozen (``no_grad``) graph, and its batch dimension turns dynamic
+    once micro-batch sizes change."""
     activation_checkpointing: bool = False
     """Recompute each trainable block's forward in its backward instead of keeping its
     activations (``torch.utils.checkpoint``, non-reentrant; the random state is restored, so

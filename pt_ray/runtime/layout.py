@@ -25,6 +25,7 @@ from pt_ray.data.base import DatasetSplits, gather
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
 from pt_ray.runtime.checkpoint import deal_layers
 from pt_ray.runtime.comm import Comm
+from pt_ray.runtime.compiled import compile_blocks
 from pt_ray.runtime.migrate import LayerStates, migrate
 from pt_ray.runtime.optim import (
     adopt_states,
@@ -74,6 +75,7 @@ class Layout:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.modules = dict(iter_layers(adapter))
+        self.compiled = compile_blocks(adapter, cfg.pipeline.compile, device, self.rank == 0)
         # Every process group's bound on a collective or point-to-point wait (WORLD's is set
         # by whoever formed it: Ray Train's TorchConfig, from the same field).
         timeout = timedelta(seconds=cfg.pipeline.collective_timeout_s)
