@@ -32,8 +32,11 @@ def _child(fn, rank, world, path, queue, args):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240,
+              daemon: bool = True) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` forked processes; returns results by rank.
+    ``daemon=False`` lets a rank start processes of its own (a DataLoader's workers); the
+    ranks are ended here either way.
 
     Raises:
         RuntimeError: a rank raised (its traceback is included) or did not finish in time.
@@ -42,7 +45,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_child, args=(fn, r, world, path, queue, args), daemon=True)
+        procs = [ctx.Process(target=_child, args=(fn, r, world, path, queue, args), daemon=daemon)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -306,6 +306,32 @@ def test_compiled_blocks_equal_eager_across_freeze_transitions():
         assert mine.train_loss == pytest.approx(ref.train_loss, abs=1e-4)
 
 
+def train_rank_prefetching(rank, world, cfg):
+    """``train_rank``, also returning how many reads the background loader served."""
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)
+    control = build_control_state(cfg, adapter.num_layers, world,
+                                  len(splits.train) // cfg.data.batch_size)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control), costs=costs_for(adapter.num_layers))
+    timeline = worker.fit()
+    states = worker.layer_state_dicts()
+    worker.close()
+    return states, timeline, worker.stepper.prefetched
+
+
+def test_background_loader_serves_every_read_in_order_and_matches_reference():
+    # data.num_workers=2: each rank's reads of an epoch (the first stage's inputs, the last
+    # stage's labels, both at K = 1) come from two loader processes, in the order the steps
+    # take them. Every one of the 18 reads (6 steps x 3 epochs) is served by them, through
+    # K 2 -> 1, and the run ends on the reference's parameters.
+    cfg = config(VIT, "1f1b", 2, data={**VIT["data"], "num_workers": 2})
+    results = run_ranks(train_rank_prefetching, 2, cfg, daemon=False)
+    assert [served for _, _, served in results] == [18, 18]
+    assert len({r.pipeline_length for r in results[0][1]}) == 2
+    assert_same_parameters([r[:2] for r in results], cfg)
+
+
 def guarded_rank(rank, world, cfg, metrics):
     """``train_rank`` with the eval metric scripted per epoch (the accuracy guard's input)."""
     splits = build_dataset(cfg.data, seed=cfg.seed)

@@ -27,14 +27,17 @@ class _ByStep(torch.utils.data.Dataset):
 
 
 def iterate_batches(
-    dataset: SampleDataset, steps: Sequence[np.ndarray], num_workers: int = 0
+    dataset: SampleDataset, steps: Sequence[np.ndarray], num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> Iterator[Batch]:
     """Yield one :class:`Batch` per index array, in order.
 
     Args:
         dataset: where samples come from.
         steps: the indices of each batch, in the order they are needed.
-        num_workers: background loader processes (0: load inline; in-memory datasets need none).
+        num_workers: background loader processes (0: load inline; in-memory datasets need none);
+            each keeps two batches ready ahead of the one in use.
+        pin_memory: page-locked batches, for asynchronous copies to a CUDA device.
     """
     if num_workers == 0:
         for idx in steps:
@@ -46,5 +49,7 @@ def iterate_batches(
         shuffle=False,
         num_workers=num_workers,
         persistent_workers=False,
+        pin_memory=pin_memory,
+        prefetch_factor=2,
     )
     yield from loader

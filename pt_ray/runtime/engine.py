@@ -197,9 +197,8 @@ class ElasticWorker:
 
     def _submit_norms(self, interval: int, norms: dict[int, float],
                       record: EpochRecord | None = None) -> None:
-        """Hand interval ``interval``'s norms (merged over the ranks, the same on each), after
-        the epoch ``record`` that ends it if any, to the controller, and start the next
-        interval's."""
+        """Hand interval ``interval``'s merged norms (and the epoch ``record`` that ends it)
+        to the controller, and start the next interval's."""
         self.controller.submit_norms(interval, self.rank, norms, record)
         self.norms.reset()
 
@@ -227,8 +226,7 @@ class ElasticWorker:
         return len(self.splits.train) // max(self._replicas_batch(), 1)
 
     def resume_decision(self) -> int:
-        """After an epoch: the decision a resumed run starts from, the one that opens the next
-        epoch (decided once every rank has submitted the epoch's norms)."""
+        """After an epoch: the decision a resumed run starts from (the next epoch's first)."""
         return self.decision
 
     def train_epoch(self, epoch: int) -> EpochRecord:
@@ -236,7 +234,8 @@ class ElasticWorker:
         self._epoch = epoch
         transition = self._open_epoch()
         set_epoch(self.splits.train, epoch)
-        order = self.sampler.epoch_order(epoch)
+        order, size = self.sampler.epoch_order(epoch), self._replicas_batch()
+        self.stepper.prefetch([order[o:o + size] for o in range(0, len(order) - size + 1, size)])
         offset, steps, since = 0, 0, 0  # since: steps since the last decision
         frozen_steps, loss_sum = 0, 0.0
         self.memory.start_epoch()
@@ -264,6 +263,7 @@ class ElasticWorker:
                     mark, size, loss, epoch=epoch, global_step=self.stepper.global_step,
                     epoch_step=steps, epoch_steps=self.steps_in_epoch(), lr=self.stepper.lr,
                     num_frozen=self.plan.num_frozen)
+        self.stepper.close_prefetch()
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
             torch.cuda.synchronize(self.device)
         rec, norms = self._epoch_record(epoch, time.perf_counter() - t0, transition, loss_sum,

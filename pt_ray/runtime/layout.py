@@ -249,5 +249,6 @@ def to_device_batch(batch, device: torch.device):
         return batch
     from pt_ray.data.base import Batch
 
-    return Batch(batch.indices, tuple(t.to(device) for t in batch.inputs),
-                 batch.target.to(device))
+    # Asynchronous when the batch is pinned (a background loader's, on CUDA).
+    return Batch(batch.indices, tuple(t.to(device, non_blocking=True) for t in batch.inputs),
+                 batch.target.to(device, non_blocking=True))

@@ -27,6 +27,7 @@ import torch
 
 from pt_ray.core.config import RunConfig
 from pt_ray.data.base import DatasetSplits, gather
+from pt_ray.data.loader import iterate_batches
 from pt_ray.data.sampler import accumulation_chunks, split_for_replica
 from pt_ray.models.base import ModelAdapter
 from pt_ray.runtime.comm import Comm
@@ -67,6 +68,8 @@ class Stepper:
         self.total_samples = total_samples
         self.layout: Layout | None = None  # set once the layout exists (it takes `loss`)
         self.prefix: CachedPrefix | None = None
+        self._ahead = None  # the epoch's reads, loaded in background workers, in order
+        self.prefetched = 0  # reads served by them (for tests and logs)
         self.global_step = 0
         self.samples_seen = 0
         self.lr = cfg.optimizer.lr  # the last step's learning rate
@@ -182,8 +185,35 @@ class Stepper:
         layout.schedule.step()
         return 0.0
 
+    def prefetch(self, steps: list[np.ndarray]) -> None:
+        """Load the reads of an epoch's steps ahead, in ``data.num_workers`` background
+        processes (pinned on CUDA), under the plan in force: what :meth:`_pass` reads, in the
+        order it reads it. A read that differs (the plan changed inside the epoch) ends it."""
+        self.close_prefetch()
+        layout, workers = self.layout, self.cfg.data.num_workers
+        topo, plan = layout.topo, layout.plan
+        reads_inputs = topo.is_first_stage and not layout.stage.state_inputs
+        if workers == 0 or not (topo.is_last_stage or reads_inputs):
+            return
+        passes = self.cfg.optimizer.accumulation_steps
+        reads = [split_for_replica(idx[part], topo.replica, plan.num_replicas)
+                 for idx in steps for part in accumulation_chunks(len(idx), passes)]
+        self._ahead = iter(iterate_batches(self.splits.train, reads, workers,
+                                           pin_memory=layout.device.type == "cuda"))
+
+    def close_prefetch(self) -> None:
+        """Stop the background reads (their workers end)."""
+        self._ahead = None
+
     def _read(self, indices: np.ndarray):
-        """The training samples ``indices`` on this rank's device."""
+        """The training samples ``indices`` on this rank's device (from the background reads
+        when they hold them next, else read now)."""
+        if self._ahead is not None:
+            batch = next(self._ahead, None)
+            if batch is not None and np.array_equal(batch.indices.numpy(), indices):
+                self.prefetched += 1
+                return to_device_batch(batch, self.layout.device)
+            self.close_prefetch()
         return to_device_batch(gather(self.splits.train, indices.tolist()), self.layout.device)
 
     def _loader(self, mine: np.ndarray, batch):
