@@ -28,8 +28,11 @@ def test_gpu_check_dry_run_passes_and_writes_its_tables(tmp_path):
     tests = report["tests"]
     assert tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"] >= 9, tests
     rows = {r["arm"]: r for r in report["speed"]["rows"]}
-    assert list(rows) == ["no freeze", "freeze", "freeze + cache", "plain PyTorch"]
+    assert list(rows) == ["no freeze", "no freeze compiled", "freeze", "freeze compiled",
+                          "freeze + cache", "plain PyTorch", "plain compiled"]
     assert rows["plain PyTorch"]["ratio_to_plain"] == 1.0
+    assert rows["plain compiled"]["ratio_to_plain_compiled"] == 1.0
+    assert rows["freeze compiled"]["frozen_by_epoch"] == [0, 2, 3, 3]
     assert rows["no freeze"]["ratio_to_no_freeze"] == 1.0
     assert rows["no freeze"]["frozen_by_epoch"] == [0, 0, 0, 0]
     # The paper's schedule at alpha 1/3 on 4 blocks: ceil(4 (1 - (2/3)^e)), at most L - 1.
