@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from datafiles import write_cifar10
 from local_models import TOKENIZER, needs_tokenizer
 from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.data import (
@@ -18,7 +19,10 @@ from pt_ray.data import (
     SampleDataset,
     SubsetDataset,
     build_dataset,
+    finish_batch,
     gather,
+    gather_stored,
+    gather_targets,
     load_cifar,
     load_glue_tsv,
     load_imagefolder,
@@ -218,24 +222,8 @@ def test_synthetic_text_rejects_short_sequences() -> None:
 # --- CIFAR pickles and image folders ------------------------------------------------------
 
 
-def _write_cifar10(root: Path, per_batch: int = 6) -> Path:
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    for k, name in enumerate(names):
-        data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
-        data[0] = 0
-        data[0, :1024] = 255  # sample 0 of each file: pure red
-        batch = {b"batch_label": name.encode(), b"labels": [(k + i) % 10 for i in range(per_batch)],
-                 b"data": data, b"filenames": [b"x.png"] * per_batch}
-        with (folder / name).open("wb") as f:
-            pickle.dump(batch, f, protocol=2)
-    return folder
-
-
 def test_cifar10_reads_pickle_batches(tmp_path: Path) -> None:
-    _write_cifar10(tmp_path)
+    write_cifar10(tmp_path)
     s = load_cifar(tmp_path, 10)
     assert (len(s.train), len(s.eval), s.num_classes, s.image_size) == (30, 6, 10, 32)
     assert s.train.deterministic_transform and s.eval.deterministic_transform
@@ -260,7 +248,7 @@ def test_cifar100_uses_fine_labels(tmp_path: Path) -> None:
 
 
 def test_augment_is_epoch_keyed_and_marked_non_deterministic(tmp_path: Path) -> None:
-    _write_cifar10(tmp_path)
+    write_cifar10(tmp_path)
     s = build_dataset(DataConfig(name="cifar10", path=tmp_path, augment=True), seed=0)
     assert not s.train.deterministic_transform and s.eval.deterministic_transform
     idx = list(range(30))
@@ -277,6 +265,38 @@ def test_augment_is_epoch_keyed_and_marked_non_deterministic(tmp_path: Path) -> 
     assert not torch.equal(e0, plain)
     plain_eval = _all(load_cifar(tmp_path, 10).eval).inputs[0]
     torch.testing.assert_close(_all(s.eval).inputs[0], plain_eval)  # eval never augments
+
+
+def test_stored_reads_finished_later_equal_gather_and_targets_skip_the_inputs(
+        tmp_path: Path) -> None:
+    # What a loader copies to the device: uint8 images at their stored size (CIFAR 32 px, an
+    # image folder's stored side), 1/4 of the float32 bytes before any resize. Finishing them
+    # (scale, epoch-keyed crop and flip, resize, normalise) gives exactly gather's inputs, for
+    # the dataset and for a subset of it (keyed by the base's indices); gather_targets gives
+    # gather's targets without reading the images.
+    write_cifar10(tmp_path / "cifar")
+    _write_png_tree(tmp_path / "folder")
+    cifar = build_dataset(DataConfig(name="cifar10", path=tmp_path / "cifar", augment=True,
+                                     image_size=16), seed=3).train
+    folder = load_imagefolder(tmp_path / "folder", image_size=8, augment=True).train
+    subset = SubsetDataset(cifar, [29, 4, 11, 0, 7])
+    for ds, idx, stored_side in ((cifar, [5, 0, 17, 3], 32), (folder, [4, 1, 2], 8),
+                                 (subset, [3, 1, 4], 32)):
+        set_epoch(ds, 2)
+        stored = gather_stored(ds, idx)
+        assert stored.inputs[0].dtype == torch.uint8
+        assert stored.inputs[0].shape[-2:] == (stored_side, stored_side)
+        want = gather(ds, idx)
+        assert torch.equal(finish_batch(ds, stored).inputs[0], want.inputs[0])
+        assert torch.equal(stored.target, want.target) and torch.equal(stored.indices,
+                                                                       want.indices)
+        assert torch.equal(gather_targets(ds, idx), want.target)
+    files_read = []
+    folder._read = lambda i: files_read.append(i)  # labels must not open a file
+    assert gather_targets(folder, [0, 5]).tolist() == [0, 1] and files_read == []
+    # Datasets without a separate transform pass through unchanged.
+    tensors = synthetic_image(num_samples=8, num_eval=4, image_size=4, seed=0).train
+    assert finish_batch(tensors, gather_stored(tensors, [1, 2])).inputs[0].dtype == torch.float32
 
 
 def test_random_crop_flip_is_a_shifted_window() -> None:

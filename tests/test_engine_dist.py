@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from datafiles import write_cifar10
 from dist_utils import run_ranks
 from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
@@ -320,15 +321,23 @@ def train_rank_prefetching(rank, world, cfg):
     return states, timeline, worker.stepper.prefetched
 
 
-def test_background_loader_serves_every_read_in_order_and_matches_reference():
-    # data.num_workers=2: each rank's reads of an epoch (the first stage's inputs, the last
-    # stage's labels, both at K = 1) come from two loader processes, in the order the steps
-    # take them. Every one of the 18 reads (6 steps x 3 epochs) is served by them, through
-    # K 2 -> 1, and the run ends on the reference's parameters.
-    cfg = config(VIT, "1f1b", 2, data={**VIT["data"], "num_workers": 2})
+def test_background_loader_serves_every_read_in_order_and_matches_reference(tmp_path):
+    # data.num_workers=2 on CIFAR-layout files (100 training images, augmented, resized to
+    # 8 px): each first stage's input reads of an epoch come from two loader processes, in the
+    # order the steps take them, as stored uint8 images that the rank crops, flips, resizes and
+    # normalises itself. The last stage of a pipeline reads labels only, so it loads nothing
+    # in the background. Rank 0 (stage 0 throughout) is served all 18 reads (6 steps x 3
+    # epochs); rank 1 only in the epochs at K = 1, where it is a first stage too. The run ends
+    # on the reference's parameters (the reference transforms on the host, batch by batch).
+    write_cifar10(tmp_path, per_batch=20)
+    data = {"name": "cifar10", "path": str(tmp_path), "image_size": 8, "augment": True,
+            "batch_size": 16, "num_workers": 2}
+    cfg = config(VIT, "1f1b", 2, data=data)
     results = run_ranks(train_rank_prefetching, 2, cfg, daemon=False)
-    assert [served for _, _, served in results] == [18, 18]
-    assert len({r.pipeline_length for r in results[0][1]}) == 2
+    timeline = results[0][1]
+    lengths = [r.pipeline_length for r in timeline]
+    assert lengths[0] == 2 and lengths[-1] == 1
+    assert [served for _, _, served in results] == [18, 6 * lengths.count(1)]
     assert_same_parameters([r[:2] for r in results], cfg)
 
 

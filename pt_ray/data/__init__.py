@@ -6,7 +6,10 @@ from pt_ray.data.base import (
     SampleDataset,
     SubsetDataset,
     TensorSampleDataset,
+    finish_batch,
     gather,
+    gather_stored,
+    gather_targets,
     set_epoch,
 )
 from pt_ray.data.registry import DATASETS, build_dataset, cap_train
@@ -44,7 +47,10 @@ __all__ = [
     "build_dataset",
     "cap_train",
     "eval_shards",
+    "finish_batch",
     "gather",
+    "gather_stored",
+    "gather_targets",
     "load_cifar",
     "load_digits",
     "load_glue_tsv",

@@ -136,6 +136,38 @@ class TensorSampleDataset:
         idx = torch.as_tensor(indices, dtype=torch.int64)
         return Batch(idx, tuple(t[idx] for t in self.inputs), self.target[idx])
 
+    def targets(self, indices: Sequence[int]) -> torch.Tensor:
+        return self.target[torch.as_tensor(indices, dtype=torch.int64)]
+
+
+def gather_targets(dataset: SampleDataset, indices: Sequence[int]) -> torch.Tensor:
+    """The targets of the samples at ``indices`` (``[B]`` or ``[B, 2]``), without loading their
+    inputs where the dataset can (``targets(indices)``): what pipeline stages after the first
+    read, since only the last one needs anything of the batch."""
+    fast = getattr(dataset, "targets", None)
+    if fast is not None:
+        return fast(indices)
+    return gather(dataset, indices).target
+
+
+def gather_stored(dataset: SampleDataset, indices: Sequence[int]) -> Batch:
+    """The samples at ``indices`` as the dataset stores them, before its transform (uint8
+    images at their stored size for image datasets), so a loader copies the fewest bytes to the
+    device and :func:`finish_batch` transforms them there. Datasets without a separate
+    transform return :func:`gather`'s batch."""
+    stored = getattr(dataset, "stored_batch", None)
+    if stored is not None:
+        return stored(indices)
+    return gather(dataset, indices)
+
+
+def finish_batch(dataset: SampleDataset, batch: Batch) -> Batch:
+    """Model inputs from a :func:`gather_stored` batch, computed on the device its tensors are
+    on: ``finish_batch(d, gather_stored(d, i))`` is ``gather(d, i)`` (on the CPU, the same
+    operations in the same order). Batches from datasets without a transform pass through."""
+    finish = getattr(dataset, "finish", None)
+    return finish(batch) if finish is not None else batch
+
 
 def set_epoch(dataset: SampleDataset, epoch: int) -> None:
     """Tell ``dataset`` the epoch, for datasets whose random augmentation depends on it.
@@ -186,6 +218,19 @@ class SubsetDataset:
         idx = torch.as_tensor(indices, dtype=torch.int64)
         inner = gather(self.base, self.keep[idx].tolist())
         return Batch(idx, inner.inputs, inner.target)
+
+    def targets(self, indices: Sequence[int]) -> torch.Tensor:
+        return gather_targets(self.base, self.keep[torch.as_tensor(indices)].tolist())
+
+    def stored_batch(self, indices: Sequence[int]) -> Batch:
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        inner = gather_stored(self.base, self.keep[idx].tolist())
+        return Batch(idx, inner.inputs, inner.target)
+
+    def finish(self, batch: Batch) -> Batch:
+        """The base's transform, keyed by the base's indices (its augmentation key)."""
+        inner = Batch(self.keep[batch.indices.cpu()], batch.inputs, batch.target)
+        return Batch(batch.indices, finish_batch(self.base, inner).inputs, batch.target)
 
     def set_epoch(self, epoch: int) -> None:
         set_epoch(self.base, epoch)

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch.utils.data
 
-from pt_ray.data.base import Batch, SampleDataset, gather
+from pt_ray.data.base import Batch, SampleDataset, gather, gather_stored
 
 __all__ = ["iterate_batches"]
 
@@ -15,20 +15,21 @@ __all__ = ["iterate_batches"]
 class _ByStep(torch.utils.data.Dataset):
     """Position ``s`` is the whole batch of step ``s`` (so workers build batches, not samples)."""
 
-    def __init__(self, dataset: SampleDataset, steps: Sequence[np.ndarray]) -> None:
+    def __init__(self, dataset: SampleDataset, steps: Sequence[np.ndarray], read) -> None:
         self.dataset = dataset
         self.steps = steps
+        self.read = read
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def __getitem__(self, s: int) -> Batch:
-        return gather(self.dataset, self.steps[s].tolist())
+        return self.read(self.dataset, self.steps[s].tolist())
 
 
 def iterate_batches(
     dataset: SampleDataset, steps: Sequence[np.ndarray], num_workers: int = 0,
-    pin_memory: bool = False,
+    pin_memory: bool = False, stored: bool = False,
 ) -> Iterator[Batch]:
     """Yield one :class:`Batch` per index array, in order.
 
@@ -38,13 +39,17 @@ def iterate_batches(
         num_workers: background loader processes (0: load inline; in-memory datasets need none);
             each keeps two batches ready ahead of the one in use.
         pin_memory: page-locked batches, for asynchronous copies to a CUDA device.
+        stored: yield batches as stored (:func:`pt_ray.data.base.gather_stored`: uint8 images
+            at their stored size), for :func:`pt_ray.data.base.finish_batch` to transform on
+            the device they are copied to.
     """
+    read = gather_stored if stored else gather
     if num_workers == 0:
         for idx in steps:
-            yield gather(dataset, idx.tolist())
+            yield read(dataset, idx.tolist())
         return
     loader = torch.utils.data.DataLoader(
-        _ByStep(dataset, steps),
+        _ByStep(dataset, steps, read),
         batch_size=None,
         shuffle=False,
         num_workers=num_workers,

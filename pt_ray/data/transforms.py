@@ -84,15 +84,17 @@ def random_crop_flip(
     b, _, h, w = images.shape
     bits = sample_hash(seed, epoch, np.asarray(indices))
     span = np.uint64(2 * padding + 1)
-    oy = torch.from_numpy((bits % span).astype(np.int64))
-    ox = torch.from_numpy(((bits >> np.uint64(16)) % span).astype(np.int64))
+    dev = images.device
+    oy = torch.from_numpy((bits % span).astype(np.int64)).to(dev)
+    ox = torch.from_numpy(((bits >> np.uint64(16)) % span).astype(np.int64)).to(dev)
     padded = F.pad(images, (padding, padding, padding, padding))
-    rows = oy[:, None] + torch.arange(h)  # [B, H]
-    cols = ox[:, None] + torch.arange(w)  # [B, W]
+    rows = oy[:, None] + torch.arange(h, device=dev)  # [B, H]
+    cols = ox[:, None] + torch.arange(w, device=dev)  # [B, W]
     if flip:
         flipped = torch.from_numpy(((bits >> np.uint64(32)) & np.uint64(1)).astype(bool))
-        cols = torch.where(flipped[:, None], cols.flip(1), cols)
-    out = padded[torch.arange(b)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
+        cols = torch.where(flipped.to(dev)[:, None], cols.flip(1), cols)
+    out = padded[torch.arange(b, device=dev)[:, None, None], :, rows[:, :, None],
+                 cols[:, None, :]]
     return out.permute(0, 3, 1, 2).contiguous()  # advanced indexing put channels last
 
 
@@ -128,10 +130,13 @@ class ImageTransform:
         self.epoch = 0
 
     def __call__(self, images: torch.Tensor, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
-        """``[B, C, H, W]`` stored images of samples ``indices`` -> float32 model inputs."""
+        """``[B, C, H, W]`` stored images of samples ``indices`` -> float32 model inputs, on
+        the device ``images`` are on (uint8 images copied to a GPU are scaled, augmented,
+        resized and normalised there)."""
         x = images.to(torch.float32) / self.scale
         if self.augment:
             x = random_crop_flip(x, indices, seed=self.seed, epoch=self.epoch)
         if self.image_size is not None:
             x = resize(x, self.image_size)
-        return (x - self.mean) / self.std
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        return (x - mean) / std

@@ -68,6 +68,18 @@ class _TransformedImages:
         b = self.batch([index])
         return index, (b.inputs[0][0],), b.target[0]
 
+    def batch(self, indices: Sequence[int]) -> Batch:
+        return self.finish(self.stored_batch(indices))
+
+    def targets(self, indices: Sequence[int]) -> torch.Tensor:
+        return self.labels[torch.as_tensor(indices, dtype=torch.int64)]
+
+    def finish(self, batch: Batch) -> Batch:
+        """Model inputs from stored images, on the device they are on (see
+        :func:`pt_ray.data.base.finish_batch`)."""
+        pixels = self.transform(batch.inputs[0], batch.indices.cpu().numpy())
+        return Batch(batch.indices, (pixels,), batch.target)
+
 
 class ImageArrayDataset(_TransformedImages):
     """Images held in memory as stored (e.g. uint8), transformed batch by batch.
@@ -95,10 +107,9 @@ class ImageArrayDataset(_TransformedImages):
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def batch(self, indices: Sequence[int]) -> Batch:
+    def stored_batch(self, indices: Sequence[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.int64)
-        pixels = self.transform(self.images[idx], idx.numpy())
-        return Batch(idx, (pixels,), self.labels[idx])
+        return Batch(idx, (self.images[idx],), self.labels[idx])
 
 
 class ImageFileDataset(_TransformedImages):
@@ -144,10 +155,10 @@ class ImageFileDataset(_TransformedImages):
             arr = np.asarray(img, dtype=np.uint8)
         return torch.from_numpy(arr.copy()).permute(2, 0, 1)
 
-    def batch(self, indices: Sequence[int]) -> Batch:
+    def stored_batch(self, indices: Sequence[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.int64)
         stored = torch.stack([self._read(int(i)) for i in idx])
-        return Batch(idx, (self.transform(stored, idx.numpy()),), self.labels[idx])
+        return Batch(idx, (stored,), self.labels[idx])
 
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from pt_ray.data.base import DatasetSplits, gather
+from pt_ray.data.base import DatasetSplits, finish_batch, gather_stored, gather_targets
 from pt_ray.data.sampler import eval_shards
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.layout import Layout, to_device_batch
@@ -36,7 +36,8 @@ def count_correct(layout: Layout, splits: DatasetSplits, batch_size: int,
     nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
     for idx in eval_shards(len(splits.eval), batch_size, topo.replica, plan.num_replicas):
         if topo.is_first_stage:
-            inputs = to_device_batch(gather(splits.eval, idx.tolist()), device).inputs
+            stored = to_device_batch(gather_stored(splits.eval, idx.tolist()), device)
+            inputs = finish_batch(splits.eval, stored).inputs
             if layout.stage.state_inputs:  # the cache holds training samples only
                 inputs = layout.stage.run_prefix(*inputs)
             out = layout.stage(*inputs)
@@ -45,7 +46,7 @@ def count_correct(layout: Layout, splits: DatasetSplits, batch_size: int,
         if nxt is not None:
             comm.send(out, nxt)
         else:
-            target = gather(splits.eval, idx.tolist()).target.to(device)
+            target = gather_targets(splits.eval, idx.tolist()).to(device)
             correct += adapter.correct(out, target).sum()
     layout.set_modes()
     return int(correct), time.perf_counter() - t0

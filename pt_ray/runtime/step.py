@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pt_ray.core.config import RunConfig
-from pt_ray.data.base import DatasetSplits, gather
+from pt_ray.data.base import Batch, DatasetSplits, finish_batch, gather_stored, gather_targets
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.sampler import accumulation_chunks, split_for_replica
 from pt_ray.models.base import ModelAdapter
@@ -159,19 +159,20 @@ class Stepper:
         plan, topo = layout.plan, layout.topo
         mine = split_for_replica(chunk, topo.replica, plan.num_replicas)
         first, last = topo.is_first_stage, topo.is_last_stage
-        batch = self._read(mine) if last else None
-        args = ()
+        args, target = (), None
         if first and layout.stage.state_inputs:
-            args = self.prefix(plan.num_frozen, mine, self._loader(mine, batch))
+            args = self.prefix(plan.num_frozen, mine, lambda rows: self._read(mine[rows]).inputs)
         elif first:
-            batch = batch if batch is not None else self._read(mine)
-            args = batch.inputs
+            batch = self._read(mine)
+            args, target = batch.inputs, batch.target
+        if last and target is None:  # the last stage needs the labels only
+            target = gather_targets(self.splits.train, mine.tolist()).to(layout.device)
         self._weight = weight
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if layout.schedule is None:
             quiet = layout.ddp is not None and not sync
             with layout.ddp.no_sync() if quiet else contextlib.nullcontext():
-                value = self.loss((layout.ddp or layout.stage)(*args), batch.target)
+                value = self.loss((layout.ddp or layout.stage)(*args), target)
                 value.backward()
             return value.detach() / scale
         if first:
@@ -179,46 +180,45 @@ class Stepper:
             return 0.0
         if last:
             losses: list[torch.Tensor] = []
-            layout.schedule.step(target=batch.target, losses=losses)
+            layout.schedule.step(target=target, losses=losses)
             # Each micro-batch's loss comes divided by M (build_schedule): their sum is the mean.
             return torch.stack([loss.detach() for loss in losses]).sum() / scale
         layout.schedule.step()
         return 0.0
 
     def prefetch(self, steps: list[np.ndarray]) -> None:
-        """Load the reads of an epoch's steps ahead, in ``data.num_workers`` background
-        processes (pinned on CUDA), under the plan in force: what :meth:`_pass` reads, in the
-        order it reads it. A read that differs (the plan changed inside the epoch) ends it."""
+        """Load the input reads of an epoch's steps ahead, in ``data.num_workers`` background
+        processes (stored form, pinned on CUDA), under the plan in force: what :meth:`_pass`
+        reads, in the order it reads it. Only a first stage that runs the embedding reads
+        inputs; later stages read labels. A read that differs (the plan changed inside the
+        epoch) ends it."""
         self.close_prefetch()
         layout, workers = self.layout, self.cfg.data.num_workers
         topo, plan = layout.topo, layout.plan
-        reads_inputs = topo.is_first_stage and not layout.stage.state_inputs
-        if workers == 0 or not (topo.is_last_stage or reads_inputs):
+        if workers == 0 or not topo.is_first_stage or layout.stage.state_inputs:
             return
         passes = self.cfg.optimizer.accumulation_steps
         reads = [split_for_replica(idx[part], topo.replica, plan.num_replicas)
                  for idx in steps for part in accumulation_chunks(len(idx), passes)]
-        self._ahead = iter(iterate_batches(self.splits.train, reads, workers,
+        self._ahead = iter(iterate_batches(self.splits.train, reads, workers, stored=True,
                                            pin_memory=layout.device.type == "cuda"))
 
     def close_prefetch(self) -> None:
         """Stop the background reads (their workers end)."""
         self._ahead = None
 
-    def _read(self, indices: np.ndarray):
-        """The training samples ``indices`` on this rank's device (from the background reads
-        when they hold them next, else read now)."""
+    def _read(self, indices: np.ndarray) -> Batch:
+        """The training samples ``indices`` as model inputs on this rank's device: read in
+        their stored form (from the background reads when they hold them next, else now),
+        copied, then transformed on the device (:func:`pt_ray.data.base.finish_batch`)."""
+        stored = None
         if self._ahead is not None:
-            batch = next(self._ahead, None)
-            if batch is not None and np.array_equal(batch.indices.numpy(), indices):
+            stored = next(self._ahead, None)
+            if stored is not None and np.array_equal(stored.indices.numpy(), indices):
                 self.prefetched += 1
-                return to_device_batch(batch, self.layout.device)
-            self.close_prefetch()
-        return to_device_batch(gather(self.splits.train, indices.tolist()), self.layout.device)
-
-    def _loader(self, mine: np.ndarray, batch):
-        """``load(rows)``: model inputs of rows of the replica batch ``mine`` (from ``batch``
-        when this rank loaded it anyway, else read now: a cache hit loads nothing)."""
-        if batch is not None:
-            return lambda rows: tuple(t[torch.from_numpy(rows).to(t.device)] for t in batch.inputs)
-        return lambda rows: self._read(mine[rows]).inputs
+            else:
+                stored = None
+                self.close_prefetch()
+        if stored is None:
+            stored = gather_stored(self.splits.train, indices.tolist())
+        return finish_batch(self.splits.train, to_device_batch(stored, self.layout.device))
