@@ -291,6 +291,9 @@ def test_stored_reads_finished_later_equal_gather_and_targets_skip_the_inputs(
         assert torch.equal(stored.target, want.target) and torch.equal(stored.indices,
                                                                        want.indices)
         assert torch.equal(gather_targets(ds, idx), want.target)
+    # Six files decode in the dataset's thread pool, each as a serial read would.
+    serial = torch.stack([folder._read(i) for i in range(6)])
+    assert torch.equal(gather_stored(folder, list(range(6))).inputs[0], serial)
     files_read = []
     folder._read = lambda i: files_read.append(i)  # labels must not open a file
     assert gather_targets(folder, [0, 5]).tolist() == [0, 1] and files_read == []
