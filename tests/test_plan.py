@@ -2,7 +2,15 @@
 
 import pytest
 
-from pt_ray.core.plan import CostTable, LayerCost, PaperPlanner, Plan, PlanSettings, replica_batch
+from pt_ray.core.plan import (
+    CostTable,
+    LayerCost,
+    PaperPlanner,
+    Plan,
+    PlanSettings,
+    feed_line,
+    replica_batch,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -186,3 +194,68 @@ def test_one_replica_batch_for_both_policies_and_accumulation():
     planner = PaperPlanner(4, costs, PlanSettings(batch_size=48, batch_policy="per_replica",
                                                   accumulation_steps=3))
     assert planner.replica_batch(2) == replica_batch(48, 2, "per_replica", 3) == 16
+
+
+def test_feed_line_says_what_each_device_runs_and_warns_below_the_floor():
+    # B = 64 over 4 replicas, 1 pass: 16 per replica; at K = 2 with M = 4, 4 per forward.
+    pipe = Plan(generation=0, num_layers=4, num_frozen=0, pipeline_length=2, num_replicas=4,
+                boundaries=(0, 2, 4), num_microbatches=4)
+    flat = Plan(generation=1, num_layers=4, num_frozen=2, pipeline_length=1, num_replicas=8,
+                boundaries=(2, 4), num_microbatches=1)
+    fixed = PlanSettings(batch_size=64)
+    line, short = feed_line(pipe, fixed, 32)
+    assert short and line.startswith(
+        "each device runs 4 samples per forward (16 samples per replica pass, 4 micro-batches)"
+    )
+    assert "batch_policy=per_replica" in line and "pipeline.min_device_batch" in line
+    assert feed_line(flat, fixed, 32)[0].startswith("each device runs 8 samples per forward")
+    assert feed_line(pipe, fixed, 0) == (
+        "each device runs 4 samples per forward (16 samples per replica pass, 4 micro-batches)",
+        False)
+    # per_replica keeps each replica's 64 whatever R: 64 at K = 1, 16 per micro-batch at K = 2.
+    kept = PlanSettings(batch_size=64, batch_policy="per_replica")
+    assert feed_line(flat, kept, 32) == (
+        "each device runs 64 samples per forward (64 samples per replica pass)", False)
+    assert feed_line(pipe, kept, 16)[1] is False and feed_line(pipe, kept, 17)[1] is True
+
+
+def _feed_state(min_device_batch, hardware):
+    from pt_ray.core.config import build_config
+    from pt_ray.control.state import build_control_state
+
+    cfg = build_config({
+        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
+                  "num_heads": 2, "patch_size": 4},
+        "data": {"name": "synthetic_image", "num_samples": 64, "image_size": 8,
+                 "batch_size": 16},
+        "freeze": {"policy": "none"},
+        "pipeline": {"num_workers": 2, "policy": "paper", "pipeline_length": 1,
+                     "min_device_batch": min_device_batch},
+    })
+    state = build_control_state(cfg, 4, 2, 4, hardware=hardware)
+    for r in range(2):
+        state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
+    return state
+
+
+@pytest.mark.parametrize("floor, hardware, warned", [
+    ("auto", "local-cpu", False),   # auto never warns on CPU workers
+    ("auto", "h100-nvlink", True),  # 8 per forward < 32 on GPU workers
+    (8, "h100-nvlink", False),
+    (9, "local-cpu", True),
+    (0, "h100-nvlink", False),
+])
+def test_controller_logs_each_devices_batch_and_warns_when_short(floor, hardware, warned,
+                                                                  caplog):
+    caplog.set_level("INFO", logger="pt_ray.control.state")
+    _feed_state(floor, hardware)
+    lines = [r for r in caplog.records if "samples per forward" in r.getMessage()]
+    assert len(lines) == 1 and "each device runs 8 samples per forward" in lines[0].getMessage()
+    assert (lines[0].levelname == "WARNING") is warned
+
+
+def test_min_device_batch_must_not_be_negative():
+    from pt_ray.core.config import PipelineConfig
+
+    with pytest.raises(ValueError, match="pipeline.min_device_batch=-1"):
+        PipelineConfig(min_device_batch=-1)

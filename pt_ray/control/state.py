@@ -26,6 +26,7 @@ from pt_ray.core.plan import (
     CostTable,
     LayerCost,
     PaperPlanner,
+    feed_line,
     Plan,
     Planner,
     PlanSettings,
@@ -157,8 +158,10 @@ class ControlState:
         make_planner: Callable[[CostTable], Planner],
         decision_label: str = "epoch",
         guard: FreezeGuard | None = None,
+        min_device_batch: int = 0,
     ) -> None:
         self.num_workers = num_workers
+        self.min_device_batch = min_device_batch
         self.policy = policy
         self.guard = guard or FreezeGuard(points=None)
         self.make_planner = make_planner
@@ -189,6 +192,7 @@ class ControlState:
                 plan = self.planner.next_plan(plan, first)
             self.plans[0] = plan
             logger.info("initial plan %s", plan.describe())
+            self._say_feed(plan)
             if plan.num_frozen:
                 logger.info("%s 0: %s", self.decision_label, self.planner.cache_reason(plan))
 
@@ -257,6 +261,15 @@ class ControlState:
                                                    plan), result.reason)
             logger.info("%s %d: %s", self.decision_label, decision,
                         self.planner.cache_reason(plan))
+            if plan.num_replicas != prev.num_replicas or (
+                    plan.num_microbatches != prev.num_microbatches):
+                self._say_feed(plan)
+
+    def _say_feed(self, plan: Plan) -> None:
+        """Log what each device of ``plan`` receives per forward; a warning when it is fewer
+        samples than ``min_device_batch``."""
+        line, short = feed_line(plan, self.planner.settings, self.min_device_batch)
+        (logger.warning if short else logger.info)("%s: %s", plan.describe(), line)
 
     def _roll_back(self, decision: int, prev: Plan) -> None:
         """Order the guard's rollback: decision ``decision`` reopens the harmful freeze's first
@@ -426,6 +439,12 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
     )
 
 
+GPU_BUSY_BATCH = 32
+"""``pipeline.min_device_batch=auto`` on GPU workers: fewer samples per forward leave a GPU's
+matrix units waiting on kernel launches for a Transformer block of BERT-base or ViT-B width
+(on CPU workers, ``auto`` warns never)."""
+
+
 def build_control_state(
     cfg: RunConfig,
     num_layers: int,
@@ -488,7 +507,11 @@ def build_control_state(
     label = "epoch" if decision_interval(cfg, steps_per_epoch) is None else "decision"
     guard = FreezeGuard(cfg.freeze.guard_points if cfg.freeze.policy != "none" else None,
                         cfg.freeze.rollback)
-    return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard)
+    gpu_workers = not (isinstance(hardware, str) and hardware == "local-cpu")
+    floor = p.min_device_batch if p.min_device_batch != "auto" else (
+        GPU_BUSY_BATCH if gpu_workers else 0)
+    return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard,
+                        min_device_batch=floor)
 
 
 def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw: HardwareProfile,

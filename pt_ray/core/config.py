@@ -287,6 +287,12 @@ class PipelineConfig(_Section):
     next plan: a peer that died or stopped answering fails the run's attempt within this
     bound, and Ray Train restarts the worker group from the latest checkpoint
     (``max_failures``). Raise it when a single step or evaluation can take longer."""
+    min_device_batch: int | Literal["auto"] = "auto"
+    """Samples per forward below which a device is underused: the controller logs what each
+    device runs under every plan (a replica's share of a pass, over M micro-batches at
+    K > 1) and warns when it falls below this. Under ``batch_policy=fixed_global`` every fork
+    of replicas shrinks that share; ``per_replica`` keeps ``data.batch_size`` per replica.
+    ``auto``: 32 on GPU workers, no warning on CPU workers; 0: never warn."""
     use_gpu: bool | Literal["auto"] = "auto"
     """Train on GPUs (one per worker, NCCL for CUDA tensors, gloo beside it for CPU ones):
     ``true`` fails before any worker starts when the cluster has fewer than
@@ -319,6 +325,10 @@ class PipelineConfig(_Section):
             value = getattr(self, field)
             if isinstance(value, int) and value <= 0:
                 raise ValueError(f"pipeline.{field}={value} must be a positive integer or 'auto'")
+        floor = self.min_device_batch
+        if isinstance(floor, int) and floor < 0:
+            raise ValueError(f"pipeline.min_device_batch={floor} must be 0 (never warn), a "
+                             f"positive number of samples, or 'auto'")
         if self.min_workers is not None and self.min_workers > self.num_workers:
             raise ValueError(
                 f"pipeline.min_workers={self.min_workers} exceeds pipeline.num_workers="

@@ -29,7 +29,9 @@ __all__ = [
     "PlanSettings",
     "Planner",
     "Transfer",
+    "device_batch",
     "divisors",
+    "feed_line",
     "pinned_length",
     "replica_batch",
     "holders",
@@ -302,6 +304,33 @@ class PlanSettings:
         """Samples one replica processes per pass (:func:`replica_batch`)."""
         return replica_batch(self.batch_size, num_replicas, self.batch_policy,
                              self.accumulation_steps)
+
+
+def device_batch(plan: Plan, settings: PlanSettings) -> int:
+    """Samples each device of ``plan`` runs per forward: a replica's share of a pass
+    (:meth:`PlanSettings.replica_batch`), over the plan's M micro-batches at K > 1."""
+    rows = settings.replica_batch(plan.num_replicas)
+    return max(1, rows // plan.num_microbatches) if plan.pipeline_length > 1 else rows
+
+
+def feed_line(plan: Plan, settings: PlanSettings, minimum: int) -> tuple[str, bool]:
+    """One line saying what each device of ``plan`` receives, and whether it falls below
+    ``minimum`` (0: never), the samples a forward needs to keep a device busy.
+
+    Under ``fixed_global`` each fork of a replica shrinks every replica's share of the batch;
+    ``per_replica`` keeps it at ``batch_size``, and the line says so when it is short."""
+    b = device_batch(plan, settings)
+    rows = settings.replica_batch(plan.num_replicas)
+    where = f"{rows} samples per replica pass" + (
+        f", {plan.num_microbatches} micro-batches" if plan.pipeline_length > 1 else "")
+    line = f"each device runs {b} samples per forward ({where})"
+    short = 0 < b < minimum
+    if short:
+        line += (f", under the {minimum} that keep a GPU busy: raise data.batch_size, lower "
+                 f"pipeline.num_microbatches, or set batch_policy=per_replica so each replica "
+                 f"keeps data.batch_size as replicas fork (pipeline.min_device_batch sets the "
+                 f"threshold)")
+    return line, short
 
 
 class Planner(Protocol):
