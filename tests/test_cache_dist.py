@@ -28,9 +28,7 @@ def config(base, mode, workers=4, **extra):
         "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 1},
         "pipeline": {"num_workers": workers, "schedule": "1f1b", "policy": "paper"},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_fraction": 0.2},
-        "cache": {"mode": mode, "block_size": 8},
-        "epochs": 4,
-        **extra,
+        **{"cache": {"mode": mode, "block_size": 8}, "epochs": 4, **extra},
     })
 
 
@@ -50,9 +48,11 @@ def train_rank(rank, world, cfg, use_store):
     worker.train_step = lambda indices: losses.append(step(indices)) or losses[-1]
     timeline = worker.fit()
     counters = worker.prefix.total if worker.prefix is not None else None
+    tiers = [t.served for t in worker.prefix.tiers] if worker.prefix is not None else []
     states = worker.layer_state_dicts()
     worker.close()
-    return {"states": states, "timeline": timeline, "losses": losses, "counters": counters}
+    return {"states": states, "timeline": timeline, "losses": losses, "counters": counters,
+            "tiers": tiers}
 
 
 def step_losses(results):
@@ -79,6 +79,29 @@ def test_cache_on_gives_the_losses_and_parameters_of_cache_off(base):
     assert sum(c.hits for c in counts) > 0
     assert on[0]["timeline"][3].cache_hit_rate > 0
     assert on[0]["timeline"][3].cache_objects > 0
+    diff = (step_losses(on) - step_losses(off)).abs().max()
+    assert float(diff) <= 1e-5
+    a, b = merged_states(on), merged_states(off)
+    worst = max(float((a[n][k] - v).abs().max()) for n, sd in b.items() for k, v in sd.items())
+    assert worst <= 1e-5, f"max abs parameter difference {worst:.3g}"
+
+
+@pytest.mark.parametrize("base", [VIT, BERT], ids=["vit", "bert"])
+def test_device_and_host_tiers_give_the_losses_and_parameters_of_the_host_path(base):
+    # The tiers on the CPU: a device tier of 30 rows per stage-0 worker (the row's bytes times
+    # 30) and a host tier for the rest, beside the store. Over five epochs (depth 2 at R 2,
+    # then depth 3 at R 4) each replica serves rows from both tiers, and every step's loss
+    # and the final parameters stay within 1e-5 of the run without the cache.
+    row = 5 * 32 * 4 if base is VIT else 12 * 32 * 4  # tokens x width x fp32 bytes
+    tiers = {"mode": "on", "block_size": 8, "device_bytes": 30 * row, "host_bytes": 2**20}
+    on = run_ranks(train_rank, 4, config(base, "on", cache=tiers, epochs=5), True)
+    off = run_ranks(train_rank, 4, config(base, "off", epochs=5), False)
+    counts = [r["counters"] for r in on if r["counters"] is not None]
+    served = [r["tiers"] for r in on if r["tiers"]]
+    assert served and all(len(s) == 2 for s in served)
+    assert sum(s[0] for s in served) > 0 and sum(s[1] for s in served) > 0
+    assert sum(c.tier_hits for c in counts) == sum(s[0] + s[1] for s in served)
+    assert sum(c.misses for c in counts) > 0
     diff = (step_losses(on) - step_losses(off)).abs().max()
     assert float(diff) <= 1e-5
     a, b = merged_states(on), merged_states(off)

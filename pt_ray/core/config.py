@@ -427,9 +427,25 @@ class CacheConfig(_Section):
     fits, the first read of an epoch fetches every block at once; when it does not, each step
     reads whole the blocks its samples fall in that the memo lacks, which the planner counts
     against the cache (``mode=auto``)."""
+    device_bytes: int | Literal["auto"] = "auto"
+    """Bytes of device memory each stage-0 worker holds cached rows in, by sample, so a step
+    serves them without the store (0: none). ``auto``: a quarter of the GPU's free memory at
+    the cache's first write on CUDA, none on CPUs (the store's rows are in host memory
+    already)."""
+    host_bytes: int | Literal["auto"] = "auto"
+    """Bytes of page-locked host memory for the rows the device tier has no room for, read
+    with asynchronous copies (0: none). ``auto``: 4 GiB on CUDA, none on CPUs."""
     spill_directory: Path | None = None
     """Where an embedded Ray cluster spills objects to disk when its store is full (None:
     Ray's session directory). Ignored when attaching to a running cluster."""
+
+    @field_validator("device_bytes", "host_bytes")
+    @classmethod
+    def _bytes_not_negative(cls, value: int | str, info: Any) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"cache.{info.field_name}={value} must be 0 (no tier), a number "
+                             f"of bytes, or 'auto'")
+        return value
 
     @field_validator("mode", mode="before")
     @classmethod

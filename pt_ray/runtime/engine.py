@@ -32,11 +32,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pt_ray.control.state import cache_policy, decision_interval
+from pt_ray.control.state import decision_interval
 from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import CostTable, Plan
 from pt_ray.data.base import DatasetSplits, gather, set_epoch
-from pt_ray.data.sampler import CacheBlocks, training_sampler
+from pt_ray.data.sampler import training_sampler
 from pt_ray.models.base import ModelAdapter
 from pt_ray.reporting.steplog import StepRecord
 from pt_ray.reporting.summary import EpochRecord
@@ -49,7 +49,7 @@ from pt_ray.runtime.memory import MemoryMeter
 from pt_ray.runtime.migrate import LayerStates
 from pt_ray.runtime.norms import GradNormMeter, merge_block_norms, norm_row
 from pt_ray.runtime.precision import LossScaler, resolve_precision
-from pt_ray.runtime.prefix import CachedPrefix, epoch_counters, store_figures
+from pt_ray.runtime.prefix import cached_prefix_for, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_costs
 from pt_ray.runtime.records import EpochFigures, StepReports, count_correct, epoch_record
 from pt_ray.runtime.rankstate import RankState
@@ -118,12 +118,8 @@ class ElasticWorker:
         self.stepper = Stepper(cfg, adapter, splits, self.comm, self.norms, self.scaler,
                                cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size)
         deterministic = splits.train.deterministic_transform
-        self.prefix: CachedPrefix | None = None
-        if store is not None and cache_policy(cfg, deterministic).mode != "off":
-            blocks = CacheBlocks(len(splits.train), cfg.cache.block_size, cfg.seed)
-            self.prefix = CachedPrefix(adapter, store, blocks, self.device, costs,
-                                       memo_bytes=cfg.cache.worker_memo_bytes,
-                                       precision=self.precision)
+        self.prefix = cached_prefix_for(cfg, adapter, store, len(splits.train), deterministic,
+                                        self.device, costs, self.precision)
         self.stepper.prefix = self.prefix
         self.layout = Layout(cfg, adapter, splits, self.comm, self.device, self.precision,
                              self.stepper.loss, cache=self.prefix is not None)

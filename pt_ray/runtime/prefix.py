@@ -27,13 +27,17 @@ import torch
 
 from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import ModelAdapter, State
+from pt_ray.control.state import cache_policy
+from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime.cache import ActivationStore, Segment, from_numpy, to_numpy
 from pt_ray.runtime.precision import Precision
+from pt_ray.runtime.rowtable import RowTable, row_tiers
 
 __all__ = [
     "CacheCounters",
     "CachedPrefix",
+    "cached_prefix_for",
     "copied_whole",
     "epoch_counters",
     "gather_rows_on_device",
@@ -60,6 +64,8 @@ class CacheCounters:
         compute_s: seconds spent running frozen layers (misses, and advancing older depths).
         uncached_s: estimated seconds the prefix forward would have taken for these rows
             without the cache (its measured forward time per sample at the current depth).
+        tier_hits: hits served from a tier (:mod:`pt_ray.runtime.rowtable`), without the
+            store.
     """
 
     rows: int = 0
@@ -71,6 +77,7 @@ class CacheCounters:
     saved_s: float = 0.0
     compute_s: float = 0.0
     uncached_s: float = 0.0
+    tier_hits: int = 0
 
     @property
     def cost_s(self) -> float:
@@ -92,6 +99,9 @@ class CachedPrefix:
             dropped first; None: no limit).
         precision: the run's precision: the prefix runs under its autocast and rows are
             cached in its compute dtype (default: fp32).
+        tiers: tables beside the store, device first (:mod:`pt_ray.runtime.rowtable`): rows
+            they hold at the current depth are served from them; rows computed here go into
+            them, and reach the store at the end of the epoch (:meth:`flush_pending`).
     """
 
     def __init__(
@@ -103,8 +113,11 @@ class CachedPrefix:
         costs: CostTable | None = None,
         memo_bytes: int | None = None,
         precision: Precision | None = None,
+        tiers: list[RowTable] | None = None,
     ) -> None:
         self.adapter = adapter
+        self.tiers = tiers or []
+        self._pending: list[tuple[int, np.ndarray]] = []  # rows held in a tier, not yet stored
         self.precision = precision or Precision("fp32")
         self.memo_bytes = memo_bytes
         self.store = store
@@ -164,6 +177,24 @@ class CachedPrefix:
         n = num_frozen
         indices = np.asarray(indices, dtype=np.int64)
         t0 = time.perf_counter()
+        parts, rest = serve_from_tiers(self.tiers, indices, n, self.device)
+        served, io_s = len(indices) - len(rest), time.perf_counter() - t0
+        c = self.counters
+        c.rows += served
+        c.hits += served
+        c.tier_hits += served
+        c.io_s += io_s
+        c.saved_s += served * self._prefix_row_s(n) - io_s
+        c.uncached_s += served * self._prefix_row_s(n)
+        if len(rest):
+            sub = indices[rest]
+            parts.append((rest, self._through_store(n, sub, lambda rows: load(rest[rows]))))
+        return _assemble(parts, len(indices))
+
+    def _through_store(self, n: int, indices: np.ndarray, load: Loader) -> State:
+        """The prefix output of ``indices`` (none held in a tier at depth ``n``) through the
+        store: hits as they are, older depths advanced, misses computed, each written."""
+        t0 = time.perf_counter()
         segments = self._read(np.unique(self.blocks.block_of[indices]).tolist(), n)
         seg, pos, level = _locate(indices, segments)
         cached: dict[int, tuple[np.ndarray, State]] = {}
@@ -176,6 +207,8 @@ class CachedPrefix:
         for lv, (rows, state) in cached.items():
             if lv < n:  # advance through the blocks frozen since, then store the new depth
                 state = self._write(n, indices[rows], self._run(lv, n, state))
+            else:
+                self._hold(n, indices[rows], state)
             parts.append((rows, state))
         miss = np.flatnonzero(level == 0)
         if len(miss):
@@ -193,10 +226,28 @@ class CachedPrefix:
         return _assemble(parts, len(indices))
 
     def invalidate_above(self, level: int) -> None:
-        """Forget everything deeper than ``level``, here and in the store."""
+        """Forget everything deeper than ``level``, here, in the tiers and in the store."""
         if self._memo_level is not None and self._memo_level > level:
             self._clear_memo(None)
+        for tier in self.tiers:
+            tier.invalidate_above(level)
+        self._pending = [(n, ids) for n, ids in self._pending if n <= level]
         self.store.invalidate_above(level)
+
+    def flush_pending(self) -> None:
+        """Write to the store the rows computed into a tier since the last flush (once per
+        epoch, off the step path: the other replicas read the epoch's rows in the next one)."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        for n, ids in pending:
+            for tier in self.tiers:
+                found, slots = tier.find(ids, n)
+                if len(found):
+                    rows = tier.take(slots, torch.device("cpu"), serving=False)
+                    store_rows(self.store, self.blocks, n, ids[found], rows)
+        spent = time.perf_counter() - t0
+        self.counters.write_s += spent
+        self.counters.saved_s -= spent
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -291,20 +342,75 @@ class CachedPrefix:
             total += seconds / rows if rows else self._profiled.get(i, 0.0)
         return total
 
+    def _hold(self, n: int, ids: np.ndarray, state: State) -> np.ndarray:
+        """Put rows ``state`` of samples ``ids`` at depth ``n`` into the tiers, device first;
+        returns the positions of ``ids`` some tier took."""
+        left = np.arange(len(ids))
+        for tier in self.tiers:
+            if not len(left):
+                break
+            if not tier.room_for(ids[left]):
+                continue
+            part = tuple(t[torch.from_numpy(left).to(t.device)] for t in state)
+            taken = tier.put(ids[left], part, n)
+            left = np.delete(left, taken)
+        return np.setdiff1d(np.arange(len(ids)), left)
+
     def _write(self, n: int, ids: np.ndarray, state: State) -> State:
-        """Queue the rows of ``state`` (samples ``ids``) at depth ``n``, block by block."""
+        """Keep the new rows ``state`` (samples ``ids``) at depth ``n``: in the tiers, stored
+        at the epoch's end; those no tier took, queued to the store now."""
         t0 = time.perf_counter()
-        arrays = [to_numpy(t) for t in state]
-        blocks = self.blocks.block_of[ids]
-        for b in np.unique(blocks).tolist():
-            sel = np.flatnonzero(blocks == b)
-            sel = sel[np.argsort(ids[sel])]
-            self.store.write(b, self.blocks.size(b), n, ids[sel],
-                             [a[sel] for a, _ in arrays], [d for _, d in arrays])
+        held = self._hold(n, ids, state) if self.tiers else np.zeros(0, dtype=np.int64)
+        if len(held):
+            self._pending.append((n, ids[held]))
+        if not len(held):
+            store_rows(self.store, self.blocks, n, ids, state)
+        elif len(held) < len(ids):
+            rest = np.setdiff1d(np.arange(len(ids)), held)
+            index = torch.from_numpy(rest).to(state[0].device)
+            store_rows(self.store, self.blocks, n, ids[rest], tuple(t[index] for t in state))
         spent = time.perf_counter() - t0
         self.counters.write_s += spent
         self.counters.saved_s -= spent
         return state
+
+def serve_from_tiers(tiers: list[RowTable], indices: np.ndarray, n: int, device: torch.device
+                     ) -> tuple[list[tuple[np.ndarray, State]], np.ndarray]:
+    """The rows of ``indices`` the tiers hold at depth ``n``, on ``device``, as ``(positions,
+    state)`` pieces (first tier first), and the positions none holds."""
+    rest = np.arange(len(indices))
+    parts: list[tuple[np.ndarray, State]] = []
+    for tier in tiers:
+        found, slots = tier.find(indices[rest], n)
+        if len(found):
+            parts.append((rest[found], tier.take(slots, device)))
+            rest = np.delete(rest, found)
+    return parts, rest
+
+
+def store_rows(store: ActivationStore, blocks: CacheBlocks, n: int, ids: np.ndarray,
+               state: State) -> None:
+    """Queue rows ``state`` of samples ``ids`` to ``store`` at depth ``n``, block by block."""
+    arrays = [to_numpy(t) for t in state]
+    block_of = blocks.block_of[ids]
+    for b in np.unique(block_of).tolist():
+        sel = np.flatnonzero(block_of == b)
+        sel = sel[np.argsort(ids[sel])]
+        store.write(b, blocks.size(b), n, ids[sel], [a[sel] for a, _ in arrays],
+                    [d for _, d in arrays])
+
+
+def cached_prefix_for(cfg: RunConfig, adapter: ModelAdapter, store: ActivationStore | None,
+                      num_samples: int, deterministic: bool, device: torch.device,
+                      costs: CostTable | None, precision: Precision) -> CachedPrefix | None:
+    """Stage 0's cached prefix for a run, with the tiers its config asks for on ``device``;
+    None without a store or when the cache is off (:func:`cache_policy`)."""
+    if store is None or cache_policy(cfg, deterministic).mode == "off":
+        return None
+    blocks = CacheBlocks(num_samples, cfg.cache.block_size, cfg.seed)
+    return CachedPrefix(adapter, store, blocks, device, costs,
+                        memo_bytes=cfg.cache.worker_memo_bytes, precision=precision,
+                        tiers=row_tiers(cfg, num_samples, device))
 
 
 def epoch_counters(prefix: CachedPrefix | None) -> list[float]:
@@ -317,6 +423,7 @@ def epoch_counters(prefix: CachedPrefix | None) -> list[float]:
     """
     if prefix is None:
         return [0.0] * 6
+    prefix.flush_pending()
     prefix.store.drain()
     c = prefix.reset()
     return [float(c.rows), float(c.hits + c.advanced), c.saved_s, float(c.rows > 0), c.cost_s,
