@@ -318,7 +318,7 @@ def train_rank_prefetching(rank, world, cfg):
     timeline = worker.fit()
     states = worker.layer_state_dicts()
     worker.close()
-    return states, timeline, worker.stepper.prefetched
+    return states, timeline, worker.stepper.prefetched, worker.stepper.kept_ahead
 
 
 def test_background_loader_serves_every_read_in_order_and_matches_reference(tmp_path):
@@ -329,6 +329,7 @@ def test_background_loader_serves_every_read_in_order_and_matches_reference(tmp_
     # in the background. Rank 0 (stage 0 throughout) is served all 18 reads (6 steps x 3
     # epochs); rank 1 only in the epochs at K = 1, where it is a first stage too. The run ends
     # on the reference's parameters (the reference transforms on the host, batch by batch).
+    # (It trains on 96 of the 100 images: 6 whole batches.)
     write_cifar10(tmp_path, per_batch=20)
     data = {"name": "cifar10", "path": str(tmp_path), "image_size": 8, "augment": True,
             "batch_size": 16, "num_workers": 2}
@@ -337,7 +338,11 @@ def test_background_loader_serves_every_read_in_order_and_matches_reference(tmp_
     timeline = results[0][1]
     lengths = [r.pipeline_length for r in timeline]
     assert lengths[0] == 2 and lengths[-1] == 1
-    assert [served for _, _, served in results] == [18, 6 * lengths.count(1)]
+    assert [r[2] for r in results] == [18, 6 * lengths.count(1)]
+    # Epoch 1 runs epoch 0's plan (K = 2): rank 0's reads of it, started when epoch 0's steps
+    # ended, were kept; epoch 2's, started under K = 2 too, were not (it runs at K = 1), and
+    # rank 1, a last stage until then, had none to keep.
+    assert lengths == [2, 2, 1] and [r[3] for r in results] == [1, 0]
     assert_same_parameters([r[:2] for r in results], cfg)
 
 

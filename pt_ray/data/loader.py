@@ -31,7 +31,8 @@ def iterate_batches(
     dataset: SampleDataset, steps: Sequence[np.ndarray], num_workers: int = 0,
     pin_memory: bool = False, stored: bool = False,
 ) -> Iterator[Batch]:
-    """Yield one :class:`Batch` per index array, in order.
+    """One :class:`Batch` per index array, in order. With workers, they start (and begin
+    loading) when this is called, not at the first batch.
 
     Args:
         dataset: where samples come from.
@@ -45,9 +46,7 @@ def iterate_batches(
     """
     read = gather_stored if stored else gather
     if num_workers == 0:
-        for idx in steps:
-            yield read(dataset, idx.tolist())
-        return
+        return (read(dataset, idx.tolist()) for idx in steps)
     loader = torch.utils.data.DataLoader(
         _ByStep(dataset, steps, read),
         batch_size=None,
@@ -57,4 +56,4 @@ def iterate_batches(
         pin_memory=pin_memory,
         prefetch_factor=2,
     )
-    yield from loader
+    return iter(loader)

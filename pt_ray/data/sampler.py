@@ -194,6 +194,11 @@ class GlobalSampler:
         self._cached = (epoch, order)
         return order
 
+    def epoch_batches(self, epoch: int, size: int) -> list[np.ndarray]:
+        """The epoch's whole batches of ``size`` samples (the global batch), in step order."""
+        order = self.epoch_order(epoch)
+        return [order[o:o + size] for o in range(0, len(order) - size + 1, size)]
+
     def step_indices(self, epoch: int, step: int) -> np.ndarray:
         """The indices step ``step`` of ``epoch`` trains on: ``order[s*B:(s+1)*B]``."""
         if not 0 <= step < self.steps_per_epoch:

@@ -230,8 +230,8 @@ class ElasticWorker:
         self._epoch = epoch
         transition = self._open_epoch()
         set_epoch(self.splits.train, epoch)
-        order, size = self.sampler.epoch_order(epoch), self._replicas_batch()
-        self.stepper.prefetch([order[o:o + size] for o in range(0, len(order) - size + 1, size)])
+        order = self.sampler.epoch_order(epoch)
+        self.stepper.prefetch(self.sampler.epoch_batches(epoch, self._replicas_batch()))
         offset, steps, since = 0, 0, 0  # since: steps since the last decision
         frozen_steps, loss_sum = 0, 0.0
         self.memory.start_epoch()
@@ -259,7 +259,9 @@ class ElasticWorker:
                     mark, size, loss, epoch=epoch, global_step=self.stepper.global_step,
                     epoch_step=steps, epoch_steps=self.steps_in_epoch(), lr=self.stepper.lr,
                     num_frozen=self.plan.num_frozen)
-        self.stepper.close_prefetch()
+        final = epoch + 1 == self.cfg.epochs  # else the next epoch's reads start loading
+        self.stepper.end_epoch(None if final else self.sampler.epoch_batches(
+            epoch + 1, self._replicas_batch()))
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
             torch.cuda.synchronize(self.device)
         rec, norms = self._epoch_record(epoch, time.perf_counter() - t0, transition, loss_sum,
@@ -373,5 +375,7 @@ class ElasticWorker:
         return self.next_epoch
 
     def close(self) -> None:
-        """Destroy this rank's subgroups (the WORLD group stays with its owner)."""
+        """End the background reads and destroy this rank's subgroups (the WORLD group stays
+        with its owner)."""
+        self.stepper.close_prefetch()
         self.layout.close()

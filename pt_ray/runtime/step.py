@@ -69,7 +69,9 @@ class Stepper:
         self.layout: Layout | None = None  # set once the layout exists (it takes `loss`)
         self.prefix: CachedPrefix | None = None
         self._ahead = None  # the epoch's reads, loaded in background workers, in order
+        self._ahead_reads: list[np.ndarray] | None = None  # what they load
         self.prefetched = 0  # reads served by them (for tests and logs)
+        self.kept_ahead = 0  # epochs whose reads were already loading when they opened
         self.global_step = 0
         self.samples_seen = 0
         self.lr = cfg.optimizer.lr  # the last step's learning rate
@@ -190,22 +192,48 @@ class Stepper:
         """Load the input reads of an epoch's steps ahead, in ``data.num_workers`` background
         processes (stored form, pinned on CUDA), under the plan in force: what :meth:`_pass`
         reads, in the order it reads it. Only a first stage that runs the embedding reads
-        inputs; later stages read labels. A read that differs (the plan changed inside the
-        epoch) ends it."""
+        inputs; later stages read labels. The processes start now, so a call at the end of an
+        epoch for the next one hides their start and first batches behind the evaluation; a
+        later call for the same reads keeps them. A read that differs (the plan changed) ends
+        them."""
+        reads = self._reads(steps)
+        if reads is not None and self._ahead_reads is not None and len(reads) == len(
+                self._ahead_reads) and all(map(np.array_equal, reads, self._ahead_reads)):
+            self.kept_ahead += 1
+            return  # already loading exactly these (started at the end of the last epoch)
         self.close_prefetch()
-        layout, workers = self.layout, self.cfg.data.num_workers
-        topo, plan = layout.topo, layout.plan
-        if workers == 0 or not topo.is_first_stage or layout.stage.state_inputs:
+        if reads is None:
             return
+        self._ahead = iterate_batches(self.splits.train, reads, self.cfg.data.num_workers,
+                                      stored=True, pin_memory=self.layout.device.type == "cuda")
+        self._ahead_reads = reads
+
+    def end_epoch(self, next_steps: list[np.ndarray] | None) -> None:
+        """After an epoch's last step: start loading the next epoch's reads under this plan
+        (``next_steps``; None: the run ends), so they load during the evaluation, where a read
+        does not depend on the epoch (stored reads, or no augmentation); else stop."""
+        train = self.splits.train
+        if next_steps is not None and (train.deterministic_transform
+                                       or hasattr(train, "stored_batch")):
+            self.prefetch(next_steps)
+        else:
+            self.close_prefetch()
+
+    def _reads(self, steps: list[np.ndarray]) -> list[np.ndarray] | None:
+        """This rank's input reads of ``steps`` under the plan in force, in order (None: it
+        reads no inputs, or loads in the training process)."""
+        layout = self.layout
+        topo, plan = layout.topo, layout.plan
+        if self.cfg.data.num_workers == 0 or not topo.is_first_stage or layout.stage.state_inputs:
+            return None
         passes = self.cfg.optimizer.accumulation_steps
-        reads = [split_for_replica(idx[part], topo.replica, plan.num_replicas)
-                 for idx in steps for part in accumulation_chunks(len(idx), passes)]
-        self._ahead = iter(iterate_batches(self.splits.train, reads, workers, stored=True,
-                                           pin_memory=layout.device.type == "cuda"))
+        return [split_for_replica(idx[part], topo.replica, plan.num_replicas)
+                for idx in steps for part in accumulation_chunks(len(idx), passes)]
 
     def close_prefetch(self) -> None:
         """Stop the background reads (their workers end)."""
         self._ahead = None
+        self._ahead_reads = None
 
     def _read(self, indices: np.ndarray) -> Batch:
         """The training samples ``indices`` as model inputs on this rank's device: read in
