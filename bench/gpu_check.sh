@@ -7,10 +7,13 @@
 #    (which rejects CPU tensors) through steps, freeze transitions, evaluation and epoch ends,
 #    in bf16, fp16 and fp32, for a ViT and a BERT; fp32 on the GPU against the CPU reference;
 #    the activation cache holding CUDA activations in bf16, and cache on = cache off in fp32.
-# 2. bench/gpu_speed.py: a ViT-B/16 in bf16 at 224 px, samples/s eager and compiled
-#    (pipeline.compile=on) with nothing frozen and with the paper's freeze timeline (alpha 1/3),
-#    and with freezing plus the cache, beside a plain PyTorch loop eager and compiled; each as a
-#    ratio to no freezing and to both plain loops, and the share of the GPU's bf16 peak.
+# 2. bench/gpu_speed.py, the speed ladder: ViT-B/16 in bf16 at batch 128, eager and compiled,
+#    with nothing frozen, with the paper's freeze timeline (alpha 1/3), and with the timeline
+#    and the activation cache (its device tier, and the store alone), beside a plain PyTorch
+#    loop eager and compiled; the input paths (on the GPU, uint8 files, a JPEG folder it
+#    writes); batch 256; BERT-base and BERT-large at sequence 128. Each arm as samples/s,
+#    ratios and MFU (against the datasheet and a matmul measured in the run). Rungs that would
+#    start past its --budget-s (420 s) are skipped, and say so.
 #
 # 3. With --ray, bench/gpu_ray.py: the whole service on the GPU (the controller actor, one GPU
 #    worker under Ray Train, freezing and the cache, bf16) beside plain Ray Train on the same
