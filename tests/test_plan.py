@@ -158,19 +158,26 @@ def test_pinned_pipeline_keeps_k_and_r_and_rebalances():
     assert elastic.next_plan(elastic.initial_plan(), 8).pipeline_length < 4
 
 
-@pytest.mark.parametrize("policy", ["paper", "cost"])
-def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
+def tiny_config(depth, freeze, pipeline):
+    """A 2-worker run of a tiny ViT on 64 synthetic images, batch 16."""
     from pt_ray.core.config import build_config
-    from pt_ray.control.state import build_control_state
 
-    cfg = build_config({
-        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 6, "width": 32,
-                  "num_heads": 2, "patch_size": 4},
+    return build_config({
+        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": depth,
+                  "width": 32, "num_heads": 2, "patch_size": 4},
         "data": {"name": "synthetic_image", "num_samples": 64, "image_size": 8,
                  "batch_size": 16},
-        "freeze": {"policy": "schedule", "alpha": 0.9, "warmup_epochs": 0},
-        "pipeline": {"num_workers": 2, "policy": policy, "elastic": False},
+        "freeze": freeze,
+        "pipeline": {"num_workers": 2, **pipeline},
     })
+
+
+@pytest.mark.parametrize("policy", ["paper", "cost"])
+def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
+    from pt_ray.control.state import build_control_state
+
+    cfg = tiny_config(6, {"policy": "schedule", "alpha": 0.9, "warmup_epochs": 0},
+                      {"policy": policy, "elastic": False})
     caplog.set_level("INFO", logger="pt_ray.control.state")
     state = build_control_state(cfg, 6, 2, 4)
     assert "at most 4 of 6 blocks will freeze" in caplog.text
@@ -220,18 +227,10 @@ def test_feed_line_says_what_each_device_runs_and_warns_below_the_floor():
 
 
 def _feed_state(min_device_batch, hardware):
-    from pt_ray.core.config import build_config
     from pt_ray.control.state import build_control_state
 
-    cfg = build_config({
-        "model": {"family": "timm", "name": "vit_base_patch16_224", "depth": 4, "width": 32,
-                  "num_heads": 2, "patch_size": 4},
-        "data": {"name": "synthetic_image", "num_samples": 64, "image_size": 8,
-                 "batch_size": 16},
-        "freeze": {"policy": "none"},
-        "pipeline": {"num_workers": 2, "policy": "paper", "pipeline_length": 1,
-                     "min_device_batch": min_device_batch},
-    })
+    cfg = tiny_config(4, {"policy": "none"}, {"policy": "paper", "pipeline_length": 1,
+                                              "min_device_batch": min_device_batch})
     state = build_control_state(cfg, 4, 2, 4, hardware=hardware)
     for r in range(2):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))

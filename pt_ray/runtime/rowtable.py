@@ -8,7 +8,8 @@ index on the device:
 
 * the device tier (``cache.device_bytes``): on the GPU, read and written without leaving it;
 * the host tier (``cache.host_bytes``): rows the device tier has no room for, in page-locked
-  host memory, read with an asynchronous copy through two alternating staging buffers.
+  host memory, read with an asynchronous copy through two alternating staging buffers, and
+  written with a synchronous one (once per sample and depth).
 
 Each stage-0 replica holds its own tables: the rows it computed or read, at most one copy of a
 sample, with the depth it was computed at. The store (Ray's object store under Ray) still holds
@@ -97,9 +98,9 @@ class RowTable:
         return out
 
     def put(self, ids: np.ndarray, state: State, level: int) -> np.ndarray:
-        """Hold rows ``state`` of samples ``ids`` (ascending, distinct) at depth ``level``: in
-        their slot when held, else in free slots while there are any. Returns the positions of
-        ``ids`` it took."""
+        """Hold rows ``state`` of samples ``ids`` (distinct, in any order) at depth ``level``:
+        in their slot when held, else in free slots while there are any. Returns the positions
+        of ``ids`` it took. Writing from a GPU into the host tier copies synchronously."""
         if self.tensors is None:
             self._allocate(state)
         slots = self.slot_of[ids].copy()
