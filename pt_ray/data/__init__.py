@@ -12,7 +12,8 @@ from pt_ray.data.base import (
     gather_targets,
     set_epoch,
 )
-from pt_ray.data.registry import DATASETS, build_dataset, cap_train
+from pt_ray.data.idx import load_mnist_idx, read_idx
+from pt_ray.data.registry import DATASETS, build_dataset, cap_train, keep_classes
 from pt_ray.data.sampler import (
     GlobalSampler,
     accumulation_chunks,
@@ -31,6 +32,7 @@ from pt_ray.data.vision import (
     load_imagefolder,
     load_mnist5k,
 )
+from pt_ray.data.wordnet import load_wordnet
 
 __all__ = [
     "DATASETS",
@@ -51,14 +53,18 @@ __all__ = [
     "gather",
     "gather_stored",
     "gather_targets",
+    "keep_classes",
     "load_cifar",
     "load_digits",
     "load_glue_tsv",
     "load_imagefolder",
     "load_mnist5k",
+    "load_mnist_idx",
     "load_squad_json",
     "load_tokenizer",
+    "load_wordnet",
     "random_crop_flip",
+    "read_idx",
     "set_epoch",
     "split_for_replica",
     "training_sampler",

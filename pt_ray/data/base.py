@@ -183,7 +183,8 @@ def set_epoch(dataset: SampleDataset, epoch: int) -> None:
 
 
 class SubsetDataset:
-    """The samples of ``base`` at ``keep``, re-indexed ``0..len(keep)-1``.
+    """The samples of ``base`` at ``keep``, re-indexed ``0..len(keep)-1``, optionally with
+    their class ids mapped through ``relabel``.
 
     The new index is the one a :class:`Batch` carries (the sampler and the activation cache
     work on the subset's own positions).
@@ -191,9 +192,12 @@ class SubsetDataset:
     Args:
         base: the dataset to take from.
         keep: ``[n]`` indices into ``base``, each in range.
+        relabel: ``[num_classes]`` int64, the new class id of each of ``base``'s (a class
+            subset); None: targets pass through.
     """
 
-    def __init__(self, base: SampleDataset, keep: Sequence[int]) -> None:
+    def __init__(self, base: SampleDataset, keep: Sequence[int],
+                 relabel: torch.Tensor | None = None) -> None:
         keep_t = torch.as_tensor(keep, dtype=torch.int64)
         if keep_t.ndim != 1:
             raise ValueError(f"keep must be a 1-d list of indices, got shape {tuple(keep_t.shape)}")
@@ -204,31 +208,37 @@ class SubsetDataset:
             )
         self.base = base
         self.keep = keep_t
+        self.relabel = relabel
         self.input_names = base.input_names
         self.deterministic_transform = base.deterministic_transform
 
     def __len__(self) -> int:
         return int(self.keep.shape[0])
 
+    def _target(self, target: torch.Tensor) -> torch.Tensor:
+        return target if self.relabel is None else self.relabel.to(target.device)[target]
+
     def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]:
         _, inputs, target = self.base[int(self.keep[index])]
-        return index, inputs, target
+        return index, inputs, self._target(torch.as_tensor(target))
 
     def batch(self, indices: Sequence[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.int64)
         inner = gather(self.base, self.keep[idx].tolist())
-        return Batch(idx, inner.inputs, inner.target)
+        return Batch(idx, inner.inputs, self._target(inner.target))
 
     def targets(self, indices: Sequence[int]) -> torch.Tensor:
-        return gather_targets(self.base, self.keep[torch.as_tensor(indices)].tolist())
+        return self._target(
+            gather_targets(self.base, self.keep[torch.as_tensor(indices)].tolist()))
 
     def stored_batch(self, indices: Sequence[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.int64)
         inner = gather_stored(self.base, self.keep[idx].tolist())
-        return Batch(idx, inner.inputs, inner.target)
+        return Batch(idx, inner.inputs, self._target(inner.target))
 
     def finish(self, batch: Batch) -> Batch:
-        """The base's transform, keyed by the base's indices (its augmentation key)."""
+        """The base's transform, keyed by the base's indices (its augmentation key); the
+        targets are already this subset's."""
         inner = Batch(self.keep[batch.indices.cpu()], batch.inputs, batch.target)
         return Batch(batch.indices, finish_batch(self.base, inner).inputs, batch.target)
 

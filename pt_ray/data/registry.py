@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from pt_ray.core.config import ConfigError, DataConfig
-from pt_ray.data.base import DatasetSplits, SubsetDataset
+from pt_ray.data.base import DatasetSplits, SubsetDataset, gather_targets
+from pt_ray.data.idx import load_mnist_idx
 from pt_ray.data.synthetic import synthetic_image, synthetic_text
 from pt_ray.data.table_datasets import load_image_table, load_qa_table, load_text_table
 from pt_ray.data.text import load_glue_tsv, load_squad_json
 from pt_ray.data.vision import load_cifar, load_digits, load_imagefolder, load_mnist5k
+from pt_ray.data.wordnet import load_wordnet
 
-__all__ = ["DATASETS", "build_dataset", "cap_train"]
+__all__ = ["DATASETS", "build_dataset", "cap_train", "keep_classes"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,15 @@ def _squad(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
     return load_squad_json(_path(cfg), tok, seq_len=cfg.seq_len)
 
 
+def _mnist_idx(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    return load_mnist_idx(_path(cfg), image_size=cfg.image_size)
+
+
+def _wordnet(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    return load_wordnet(_path(cfg), tok, seq_len=cfg.seq_len,
+                        parts_of_speech=cfg.parts_of_speech)
+
+
 DATASETS: dict[str, _Builder] = {
     "digits": _digits,
     "mnist5k": _mnist5k,
@@ -101,6 +114,8 @@ DATASETS: dict[str, _Builder] = {
     "text_table": lambda cfg, seed, tok: load_text_table(cfg, tok),
     "qa_table": lambda cfg, seed, tok: load_qa_table(cfg, tok),
     "image_table": lambda cfg, seed, tok: load_image_table(cfg, seed),
+    "mnist_idx": _mnist_idx,
+    "wordnet": _wordnet,
 }
 """Builder per ``data.name``: ``(cfg, seed, tokenizer_dir) -> DatasetSplits``."""
 
@@ -131,6 +146,40 @@ def cap_train(splits: DatasetSplits, num_samples: int, seed: int) -> DatasetSpli
     )
 
 
+def keep_classes(splits: DatasetSplits, classes: list[int]) -> DatasetSplits:
+    """Keep only the samples labelled one of ``classes``, in both splits, relabelled
+    ``classes[i] -> i``; samples keep their order and are re-indexed ``0..n-1``.
+
+    Raises:
+        ConfigError: the task is not classification, or a class is not one of the dataset's.
+    """
+    where = f"data.classes={classes}"
+    if splits.task != "classification" or splits.num_classes is None:
+        raise ConfigError(f"{where} selects classes, but {splits.name} is {splits.task}; "
+                          "remove data.classes")
+    n = splits.num_classes
+    outside = [c for c in classes if not 0 <= c < n]
+    if outside:
+        raise ConfigError(f"{where} holds {outside}, but {splits.name} has {n} classes "
+                          f"(0..{n - 1}); choose labels in 0..{n - 1}")
+    relabel = torch.full((n,), -1, dtype=torch.int64)
+    relabel[torch.tensor(classes)] = torch.arange(len(classes))
+    parts = {}
+    for part in ("train", "eval"):
+        ds = getattr(splits, part)
+        labels = gather_targets(ds, range(len(ds)))
+        keep = torch.nonzero(relabel[labels] >= 0).flatten()
+        if len(keep) == 0:
+            raise ConfigError(f"{where} keeps no sample of {splits.name}'s {part} split; "
+                              "choose classes it holds")
+        parts[part] = SubsetDataset(ds, keep.tolist(), relabel=relabel)
+    logger.info("%s: classes %s kept as 0..%d: %d of %d train, %d of %d eval samples",
+                splits.name, classes, len(classes) - 1, len(parts["train"]), len(splits.train),
+                len(parts["eval"]), len(splits.eval))
+    return replace(splits, train=parts["train"], eval=parts["eval"],
+                   num_classes=len(classes))
+
+
 def build_dataset(
     cfg: DataConfig, *, seed: int = 0, tokenizer_dir: str | Path | None = None
 ) -> DatasetSplits:
@@ -144,12 +193,14 @@ def build_dataset(
             (the caller passes ``model.weights``).
 
     Returns:
-        The splits. ``cfg.num_samples`` is the generated training size for synthetic datasets
-        and caps the training split (a seeded random subset) for the others.
+        The splits: only ``cfg.classes`` when given (:func:`keep_classes`).
+        ``cfg.num_samples`` is the generated training size for synthetic datasets and caps the
+        training split (a seeded random subset, after the classes are chosen) for the others.
 
     Raises:
         ConfigError: an unknown name; a missing ``data.path`` or tokenizer; dataset files that
-            are missing (the message gives the expected layout) or cannot be read.
+            are missing (the message gives the expected layout) or cannot be read;
+            ``data.classes`` outside the dataset's classes.
     """
     builder = DATASETS.get(cfg.name)
     if builder is None:
@@ -161,6 +212,8 @@ def build_dataset(
         )
     tok = cfg.tokenizer if cfg.tokenizer is not None else tokenizer_dir
     splits = builder(cfg, seed, Path(tok) if tok is not None else None)
+    if cfg.classes is not None:
+        splits = keep_classes(splits, cfg.classes)
     if cfg.num_samples is not None and cfg.name not in _GENERATED:
         splits = cap_train(splits, cfg.num_samples, seed)
     logger.info(
