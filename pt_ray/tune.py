@@ -358,15 +358,17 @@ def _finished_summary(run_dir: Path, cfg: Mapping[str, Any]) -> dict[str, Any] |
 
 
 def _same_config(recorded: Any, wanted: Mapping[str, Any]) -> bool:
-    """Whether a run's recorded config is ``wanted``. A run records ``precision`` and
-    ``pipeline.use_gpu`` resolved, so ``auto`` in ``wanted`` matches what it resolved to."""
+    """Whether a run's recorded config is ``wanted``. A run records ``precision``,
+    ``pipeline.use_gpu`` and ``cache.worker_memo_bytes`` resolved, so ``auto`` in ``wanted``
+    matches what it resolved to."""
     wanted = json.loads(json.dumps(wanted))
     if isinstance(recorded, dict):
         if wanted.get("precision") == "auto" and "precision" in recorded:
             wanted["precision"] = recorded["precision"]
-        pipe, rec_pipe = wanted.get("pipeline") or {}, recorded.get("pipeline") or {}
-        if pipe.get("use_gpu") == "auto" and "use_gpu" in rec_pipe:
-            pipe["use_gpu"] = rec_pipe["use_gpu"]
+        for section, key in (("pipeline", "use_gpu"), ("cache", "worker_memo_bytes")):
+            mine, theirs = wanted.get(section) or {}, recorded.get(section) or {}
+            if mine.get(key) == "auto" and key in theirs:
+                mine[key] = theirs[key]
     return json.dumps(recorded, sort_keys=True) == json.dumps(wanted, sort_keys=True)
 
 

@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from pt_ray.core.cachesize import resolve_cache_sizes
 from pt_ray.core.config import build_config
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks
@@ -21,8 +22,9 @@ from pt_ray.runtime.checkpoint import load_layers
 from pt_ray.runtime.prefix import CachedPrefix
 from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.reference import ReferenceTrainer
-from pt_ray.service.cache import CacheActor, RayStore
+from pt_ray.service.cache import CacheActor, RayStore, store_capacities
 from pt_ray.service.trainer import run_on_ray
+from conftest import SESSION_RAY
 from test_ray_engine import tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -200,10 +202,25 @@ def job(tmp_path, **extra):
     })
 
 
+def test_the_memo_is_sized_from_the_stores_the_cluster_reports(ray_cluster):
+    # The session cluster's one node: its 256 MiB store, of which the owner's budget is half.
+    store = SESSION_RAY["object_store_memory"]
+    assert store_capacities() == [store]
+    cfg = build_config({"cache": {"budget_fraction": 1.0}})
+    assert resolve_cache_sizes(cfg, store_capacities()).cache.worker_memo_bytes == store
+    name, actor = new_cache(budget_fraction=1.0)
+    assert ray.get(actor.stats.remote()).budget_bytes == store  # the same rule, node side
+    ray.kill(actor)
+
+
 def test_tiny_job_with_the_cache_hits_after_the_freeze_and_ends_on_the_reference(
         ray_cluster, tmp_path):
     cfg = job(tmp_path)
     run = run_on_ray(cfg, tmp_path / "run")
+    # The driver sized the memo once and shipped it in the config (half the session's 256 MiB
+    # store is under the 256 MiB floor).
+    assert cfg.cache.worker_memo_bytes == "auto"
+    assert run.config.cache.worker_memo_bytes == 256 * 2**20
     layout = [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in run.timeline]
     # K may already be 1 at 2 frozen blocks (see test_ray_engine's replan test).
     assert layout[0] == (0, 2, 1) and layout[2:] == [(3, 1, 2)] * 2

@@ -1,6 +1,7 @@
 """The embedded cluster starts no Ray worker process that nothing uses: Ray would prestart one
 idle worker per CPU for its first driver, with an empty runtime_env that no actor of a pt-ray
-run has, so pt-ray turns that off and a run's first actor is the only worker process."""
+run has, so pt-ray turns that off and a run's first actor is the only worker process. Its
+object store is the size Ray itself gives a node (``cache.object_store_bytes=auto``)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,17 @@ EMBEDDED = textwrap.dedent("""
                       if ppid in raylets and args.startswith("ray::")
                       and not args.split()[0].endswith("Agent"))
 
+    from ray._private.utils import estimate_available_memory, resolve_object_store_memory
+
     cfg = build_config({"pipeline": {"num_workers": 2}})
+    ray_default = resolve_object_store_memory(estimate_available_memory())
     assert ensure_ray(cfg)
     # Prestarted workers are launched as the driver connects, before any actor's process.
     controller = ControllerActor.remote(cfg.model_dump(mode="json"), None)
     ray.get(controller.__ray_ready__.remote(), timeout=90)
-    print(json.dumps({"cpus": ray.cluster_resources()["CPU"], "workers": workers()}))
+    print(json.dumps({"cpus": ray.cluster_resources()["CPU"], "workers": workers(),
+                      "store": ray.cluster_resources()["object_store_memory"],
+                      "ray_default": ray_default}))
     ray.shutdown()
 """)
 
@@ -58,3 +64,6 @@ def test_the_embedded_cluster_prestarts_no_idle_workers(tmp_path):
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["cpus"] >= 2  # Ray would have prestarted this many
     assert seen["workers"] == ["ray::ControllerActor"]
+    # cache.object_store_bytes=auto: the store Ray itself sizes from the host's free memory
+    # (which moves a little between the two readings).
+    assert seen["store"] == pytest.approx(seen["ray_default"], rel=0.05)

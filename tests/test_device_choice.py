@@ -93,9 +93,15 @@ def test_apply_records_the_concrete_choice_and_round_trips():
 def test_sweep_reuse_matches_a_recorded_resolution_of_auto():
     from pt_ray.tune import _same_config
 
-    wanted = cfg(epochs=2).model_dump(mode="json")
-    recorded = choose_devices(cfg(epochs=2), 0).apply(cfg(epochs=2)).model_dump(mode="json")
+    from pt_ray.core.cachesize import resolve_cache_sizes
 
+    wanted = cfg(epochs=2).model_dump(mode="json")
+    applied = choose_devices(cfg(epochs=2), 0).apply(cfg(epochs=2))
+    recorded = resolve_cache_sizes(applied, [2**32]).model_dump(mode="json")
+
+    assert recorded["cache"]["worker_memo_bytes"] == 2**31
     assert _same_config(recorded, wanted)
+    assert not _same_config(recorded, cfg(epochs=2, **{"cache.worker_memo_bytes": 2**30})
+                            .model_dump(mode="json"))
     assert not _same_config(recorded, cfg(epochs=3).model_dump(mode="json"))
     assert not _same_config(recorded, cfg(epochs=2, precision="bf16").model_dump(mode="json"))

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from statistics import median
 from typing import Any, Literal
 
+from pt_ray.core.cachesize import memo_limit
 from pt_ray.core.config import RunConfig
 from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
@@ -476,7 +477,7 @@ def build_control_state(
     forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
     # The samples an epoch trains on: the cache's rows, to within a batch.
     layout = CacheLayout(steps_per_epoch * cfg.data.batch_size, cfg.cache.block_size,
-                         cfg.cache.worker_memo_bytes)
+                         memo_limit(cfg.cache))
     budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
     if p.hardware != "auto":
         hardware = p.hardware

@@ -419,6 +419,10 @@ class OptimizerConfig(_Section):
         return self
 
 
+RAY_MIN_OBJECT_STORE_BYTES = 75 * 2**20
+"""The smallest object store Ray starts (``ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES``)."""
+
+
 class CacheConfig(_Section):
     """AutoCache: the frozen prefix's activations in Ray's object store."""
 
@@ -442,17 +446,23 @@ class CacheConfig(_Section):
     holds about 16k objects, not a million). The groups change no batch: a step gathers its
     rows from whichever objects hold them, up to ``min(batch, blocks)`` of them."""
     budget_fraction: float = Field(default=0.5, gt=0, le=1)
-    """Most of the cache node's object store the cache may fill; past it, new entries are
-    refused and served as misses."""
+    """Most of each node's object store its cache owner may fill (the store's size as Ray
+    reports it, so the budget grows with the store); past it, new entries are refused and
+    served as misses. The rest holds rows on their way to the owner and the run's other
+    objects."""
     budget_bytes: int | None = Field(default=None, gt=0)
-    """A fixed byte budget instead of ``budget_fraction``."""
-    worker_memo_bytes: int = Field(default=256 * 2**20, ge=0)
+    """A fixed byte budget per node instead of ``budget_fraction``."""
+    worker_memo_bytes: int | Literal["auto"] = "auto"
     """Most bytes of cached blocks a stage-0 worker keeps between steps (least recently read
     dropped first; 0: none). They are zero-copy views on its node's object store, which keep
     those objects in memory (and copies of blocks written on other nodes). When the whole cache
     fits, the first read of an epoch fetches every block at once; when it does not, each step
     reads whole the blocks its samples fall in that the memo lacks, which the planner counts
-    against the cache (``mode=auto``)."""
+    against the cache (``mode=auto``). ``auto``: the store budget of the cluster's smallest
+    node (``budget_bytes``, or ``budget_fraction`` of its object store), at least 256 MiB:
+    the views cost no memory beyond the store's, so the memo can hold whatever the store does.
+    The driver resolves it once, before any worker starts, and ``config.yaml`` records the
+    figure (:func:`pt_ray.core.cachesize.resolve_cache_sizes`)."""
     device_bytes: int | Literal["auto"] = "auto"
     """Bytes of device memory each stage-0 worker holds cached rows in, by sample, so a step
     serves them without the store (0: none). ``auto``: a quarter of the GPU's free memory at
@@ -464,13 +474,29 @@ class CacheConfig(_Section):
     spill_directory: Path | None = None
     """Where an embedded Ray cluster spills objects to disk when its store is full (None:
     Ray's session directory). Ignored when attaching to a running cluster."""
+    object_store_bytes: int | Literal["auto"] = "auto"
+    """The object store of the Ray cluster a run starts itself (none is running and
+    ``RAY_ADDRESS`` is unset), which holds the cache. ``auto``: Ray's own default, 30% of the
+    host's available memory and at most 95% of the free space in ``/dev/shm``, as ``ray
+    start`` gives a node (memory is taken as objects arrive, not at start). Ignored when
+    attaching to a running cluster, whose stores are the size its nodes were started with."""
 
-    @field_validator("device_bytes", "host_bytes")
+    @field_validator("device_bytes", "host_bytes", "worker_memo_bytes")
     @classmethod
     def _bytes_not_negative(cls, value: int | str, info: Any) -> int | str:
         if isinstance(value, int) and value < 0:
-            raise ValueError(f"cache.{info.field_name}={value} must be 0 (no tier), a number "
+            none = "none kept" if info.field_name == "worker_memo_bytes" else "no tier"
+            raise ValueError(f"cache.{info.field_name}={value} must be 0 ({none}), a number "
                              f"of bytes, or 'auto'")
+        return value
+
+    @field_validator("object_store_bytes")
+    @classmethod
+    def _ray_store_minimum(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < RAY_MIN_OBJECT_STORE_BYTES:
+            raise ValueError(f"cache.object_store_bytes={value} is below Ray's smallest object "
+                             f"store, {RAY_MIN_OBJECT_STORE_BYTES} bytes (75 MiB); set at least "
+                             "that, or 'auto'")
         return value
 
     @field_validator("mode", mode="before")

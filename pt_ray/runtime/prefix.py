@@ -28,6 +28,7 @@ import torch
 from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import ModelAdapter, State
 from pt_ray.control.state import cache_policy
+from pt_ray.core.cachesize import memo_limit
 from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime.cache import ActivationStore, Segment, from_numpy, to_numpy
@@ -409,7 +410,7 @@ def cached_prefix_for(cfg: RunConfig, adapter: ModelAdapter, store: ActivationSt
         return None
     blocks = CacheBlocks(num_samples, cfg.cache.block_size, cfg.seed)
     return CachedPrefix(adapter, store, blocks, device, costs,
-                        memo_bytes=cfg.cache.worker_memo_bytes, precision=precision,
+                        memo_bytes=memo_limit(cfg.cache), precision=precision,
                         tiers=row_tiers(cfg, num_samples, device))
 
 

@@ -13,7 +13,7 @@ Ray 2.56), and Ray Train's workers die at every restart. So the driver creates o
    the rows of each block at each depth into one object it puts itself
    (:class:`pt_ray.runtime.cache.BlockIndex`), keeping the index ``(block, depth) -> ref``; a
    deeper object releases the shallower ones it covers, and past the budget (a fraction of its
-   own node's object store) new rows are refused;
+   own node's object store: :func:`pt_ray.core.cachesize.store_budget`) new rows are refused;
 3. at the end of an epoch, once every replica's writes have landed, each node's owner copies
    in the objects that other nodes' owners hold and it lacks (``adopt``): one transfer per
    object and node, between epochs rather than inside steps;
@@ -56,6 +56,7 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pt_ray.core.cachesize import store_budget
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.runtime.cache import (
     BlockIndex,
@@ -74,6 +75,7 @@ __all__ = [
     "create_owners",
     "object_store_report",
     "owners_report",
+    "store_capacities",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,18 @@ def cache_nodes() -> list[str]:
     return [n["NodeID"] for n in ray.nodes()
             if n.get("Alive") and (n.get("Resources", {}).get("CPU", 0) > 0
                                    or n.get("Resources", {}).get("GPU", 0) > 0)]
+
+
+def _store_capacity(info: Mapping[str, Any]) -> int:
+    """A node's object store in bytes, as Ray reports it (0: not reported)."""
+    return int(info.get("Resources", {}).get("object_store_memory", 0))
+
+
+def store_capacities() -> list[int]:
+    """The object store of each node of :func:`cache_nodes`, in bytes (0 where not reported):
+    the facts :func:`pt_ray.core.cachesize.resolve_cache_sizes` sizes the cache from."""
+    nodes = set(cache_nodes())
+    return [_store_capacity(n) for n in ray.nodes() if n["NodeID"] in nodes]
 
 
 def create_owners(run_id: str, budget_fraction: float, budget_bytes: int | None = None
@@ -148,8 +162,8 @@ class CacheActor:
     def __init__(self, budget_fraction: float, budget_bytes: int | None = None) -> None:
         setup_logging()
         self.node = ray.get_runtime_context().get_node_id()
-        capacity = int(_node_info(self.node).get("Resources", {}).get("object_store_memory", 0))
-        budget = budget_bytes or int(budget_fraction * capacity) or 2**30
+        capacity = _store_capacity(_node_info(self.node))
+        budget = store_budget(capacity, budget_fraction, budget_bytes)
         self.index: BlockIndex[ray.ObjectRef] = BlockIndex(budget, put=ray.put, load=ray.get)
         self.capacity = capacity
         self.reads = {"local_reads": 0, "remote_reads": 0, "dropped_rows": 0,

@@ -30,7 +30,14 @@ from pt_ray.core.config import RunConfig
 from pt_ray.control.state import cache_policy
 from pt_ray.core.devices import DeviceChoice, choose_devices
 from pt_ray.core.placement import ClusterView, demand_for
-from pt_ray.service.cache import cache_name, create_owners, object_store_report, owners_report
+from pt_ray.core.cachesize import resolve_cache_sizes
+from pt_ray.service.cache import (
+    cache_name,
+    create_owners,
+    object_store_report,
+    owners_report,
+    store_capacities,
+)
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.worker import train_loop_per_worker
@@ -39,10 +46,6 @@ from pt_ray.reporting.summary import EpochRecord
 __all__ = ["RayRun", "cluster_devices", "ensure_ray", "run_on_ray"]
 
 logger = logging.getLogger(__name__)
-
-# Object store for the embedded cluster: enough for the activation cache of the default job
-# without claiming 30% of the machine's memory as Ray's default would.
-_LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
 
 # How often Ray may restart a lost controller actor in one run.
 _CONTROLLER_RESTARTS = 3
@@ -98,7 +101,10 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         dashboard_port=port,
-        object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
+        # None: Ray's own default (30% of the available memory, within /dev/shm), which it
+        # takes as objects arrive, not at start.
+        object_store_memory=(None if cfg.cache.object_store_bytes == "auto"
+                             else cfg.cache.object_store_bytes),
         logging_level=logging.WARNING,
         runtime_env={"env_vars": {
             # The cleaner resolves the state API by address "auto", which fails when another
@@ -116,7 +122,9 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
         _system_config={"prestart_worker_first_driver": False},
         **spill,
     )
-    logger.info("object store %.0f MiB; spills to %s when full", _LOCAL_OBJECT_STORE_BYTES / 2**20,
+    logger.info("object store %.0f MiB (cache.object_store_bytes=%s); spills to %s when full",
+                ray.cluster_resources().get("object_store_memory", 0) / 2**20,
+                cfg.cache.object_store_bytes,
                 spill.get("object_spilling_directory", "the Ray session directory"))
     return True
 
@@ -187,7 +195,8 @@ def run_on_ray(
         cfg: the validated run configuration.
         run_dir: the run's output folder; Ray Train's storage goes under ``run_dir/ray``.
         worker_env: extra environment variables for the training workers.
-        on_start: called with the resolved configuration (devices and precision chosen)
+        on_start: called with the resolved configuration (devices and precision chosen, and
+            ``cache.worker_memo_bytes`` sized from the cluster's object stores)
             before any actor or worker starts, e.g. to write ``config.yaml``.
         choice: the devices already chosen by :func:`cluster_devices` for the embedded
             cluster this call starts (None: chosen here).
@@ -219,6 +228,9 @@ def run_on_ray(
             view = wait_for_room(demand_for(cfg.pipeline, choice.use_gpu),
                                  cfg.pipeline.placement_timeout_s)
             autoscaler, watch = view.autoscaler, watches_preemption(view)
+        if cache_policy(cfg, deterministic_transform=True).mode != "off":
+            # Once, here: the controller's planner and every worker's memo read this figure.
+            cfg = resolve_cache_sizes(cfg, store_capacities())
         if on_start is not None:
             on_start(cfg)
         return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch)
