@@ -24,6 +24,7 @@ from pt_ray.runtime.prefix import (
     gather_rows_on_host,
 )
 from pt_ray.runtime.build import build_model_for
+from pt_ray.runtime.precision import Precision
 
 pytestmark = pytest.mark.unit
 
@@ -417,6 +418,36 @@ class CountingStore(InMemoryStore):
     def read(self, blocks, level):
         self.asked.append(list(blocks))
         return super().read(blocks, level)
+
+
+def test_a_bf16_run_stores_two_bytes_an_element_and_serves_them_back(model):
+    # The prefix runs under bf16 autocast (on the CPU here, as on a GPU) and its rows reach the
+    # store in the compute dtype: 2 bytes per element, half the fp32 run's bytes, every state
+    # tensor (BERT's mask too), and a hit serves bf16 rows bit for bit.
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)
+    idx = np.arange(len(splits.train))
+    stored = {}
+    for name in ("fp32", "bf16"):
+        store = InMemoryStore()
+        prefix = CachedPrefix(adapter, store, blocks, torch.device("cpu"),
+                              precision=Precision(name))
+        computed, _ = run(prefix, splits, 2, idx)
+        store.flush()
+        prefix.reset()
+        served, loaded = run(prefix, splits, 2, idx)
+        assert loaded == [] and all(torch.equal(a, b) for a, b in zip(served, computed))
+        segments = store.read(range(blocks.num_blocks), 2)
+        stored[name] = (store.stats().bytes, segments, computed)
+    size, segments, computed = stored["bf16"]
+    assert all(t.dtype == torch.bfloat16 for t in computed)
+    for seg in segments:
+        assert set(seg.dtypes) == {"bfloat16"}
+        assert all(a.itemsize == 2 for a in seg.arrays)
+    elements = sum(t[0].numel() for t in computed)           # per row, every state tensor
+    ids = 8 * len(splits.train)                               # int64 sample ids
+    assert size == len(splits.train) * elements * 2 + ids
+    assert stored["fp32"][0] == len(splits.train) * elements * 4 + ids
 
 
 def test_complete_blocks_are_read_from_the_store_once_per_depth(model):
