@@ -449,7 +449,7 @@ def _train_on_ray(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path,
     extra: dict[str, Any] = {"engine": cfg.engine}
     extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
                  decisions=run.decisions, restarts=run.restarts, cache=run.cache,
-                 rollbacks=run.rollbacks,
+                 rollbacks=run.rollbacks, start_trials=run.start_trials,
                  # The driver's checks come before wall_time_s starts; the rest within it.
                  startup={"preflight_s": preflight_s, **run.startup})
     if resumed is not None:

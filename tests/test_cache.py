@@ -184,7 +184,7 @@ def test_cost_planner_keeps_the_cache_off_where_whole_block_reads_cost_more_and_
 def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
     caplog.set_level("INFO", logger="pt_ray.control.state")
     c = cfg(freeze={"policy": "schedule", "alpha": 0.5, "warmup_epochs": 1},
-            cache={"worker_memo_bytes": 2**30})
+            cache={"worker_memo_bytes": 2**30}, pipeline={"start_trial_margin": 0})
     state = build_control_state(c, 6, 2, 4)
     for r in range(2):
         state.submit_costs(r, costs(5e5))

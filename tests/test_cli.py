@@ -27,7 +27,7 @@ TINY = [
 # Every field of RunSummary: a run writes them all (null, 0 or empty where its engine has none).
 SUMMARY_KEYS = {"wall_time_s", "epochs", "metric_name", "final_eval_metric", "timeline", "config",
                 "device", "precision", "engine", "run_id", "checkpoint", "decisions", "restarts",
-                "rollbacks", "startup", "resumed_from"}
+                "rollbacks", "startup", "start_trials", "resumed_from"}
 RECORD_KEYS = {
     "epoch", "num_frozen", "num_layers", "pipeline_length", "num_replicas", "num_microbatches",
     "throughput_samples_per_s", "epoch_time_s", "transition_time_s", "cache_hit_rate",

@@ -204,7 +204,7 @@ def train_then_checkpoint(rank, world, cfg, directory, epochs):
     worker.save_shard(Path(directory))
     if rank == 0:
         write_meta(Path(directory), {**worker.checkpoint_meta(epochs - 1),
-                                     "next_decision": worker.resume_decision(),
+                                     "next_decision": worker.decision,
                                      "controller": control.state_dict()})
     worker.close()
     return worker.plan
@@ -423,3 +423,51 @@ def test_rollback_with_decisions_inside_epochs_returns_to_the_epoch_start():
     assert worst <= 1e-4, f"max abs parameter difference {worst:.3g}"
     for ra, rb in zip(timeline, run_b[0][1]):
         assert ra.train_loss == pytest.approx(rb.train_loss, abs=1e-4)
+
+
+def train_rank_with_trials(rank, world, cfg):
+    """``train_rank`` on profiled costs, with the RNG state around the start and what the
+    controller measured of the first layouts."""
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)
+    control = build_control_state(cfg, adapter.num_layers, world,
+                                  len(splits.train) // cfg.data.batch_size)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control))
+    before = torch.random.get_rng_state()
+    worker.start()
+    same_rng = torch.equal(before, torch.random.get_rng_state())
+    timeline = worker.fit()
+    states = worker.layer_state_dicts()
+    worker.close()
+    return states, timeline, control.start_trials, control.plans[0], same_rng
+
+
+def test_timed_first_layouts_leave_the_run_on_the_reference():
+    # A margin no prediction misses: both first layouts (K 1 R 2 and K 2 R 1) are rehearsed on
+    # both ranks before the run starts on the one measured fastest, then freezes 0 -> 2 -> 3.
+    cfg = config(VIT, "1f1b", 2, pipeline={"num_workers": 2, "policy": "cost",
+                                          "start_trial_margin": 100.0})
+    results = run_ranks(train_rank_with_trials, 2, cfg)
+    trials = results[0][2]
+    assert [t["pipeline_length"] for t in trials] and \
+        sorted(t["pipeline_length"] for t in trials) == [1, 2]
+    assert all(t["pass_s"] > 0 and t["measured_rate"] > 0 for t in trials)
+    assert results[1][2] == trials  # every rank's controller chose from the same figures
+    chosen = max(trials, key=lambda t: t["measured_rate"])
+    first = results[0][3]
+    assert (first.pipeline_length, first.generation) == (chosen["pipeline_length"], 2)
+    assert all(r[4] for r in results), "the rehearsals moved the RNG"
+    assert [r.num_frozen for r in results[0][1]] == [0, 2, 3]
+    # Nothing the rehearsals ran reached the parameters or the optimizer.
+    assert_same_parameters([(r[0], r[1]) for r in results], cfg)
+
+
+def test_rehearsals_with_dropout_leave_the_rng_where_it_was():
+    # Dropout draws a mask in every rehearsed forward; the run must draw the masks it would
+    # have drawn without the trials.
+    base = {**BERT, "model": {**BERT["model"], "dropout": 0.1}}
+    cfg = config(base, "1f1b", 2, epochs=1,
+                 pipeline={"num_workers": 2, "policy": "cost", "start_trial_margin": 100.0})
+    results = run_ranks(train_rank_with_trials, 2, cfg)
+    assert len(results[0][2]) == 2 and all(r[4] for r in results)

@@ -30,7 +30,7 @@ def _rec(epoch: int, num_frozen: int, metric: float) -> EpochRecord:
 def _control(rollback: bool):
     cfg = load_config(None, ["model.depth=4", "freeze.policy=schedule", "freeze.alpha=0.5",
                              "freeze.warmup_epochs=1", f"freeze.rollback={str(rollback).lower()}",
-                             "epochs=6"])
+                             "epochs=6", "pipeline.start_trial_margin=0"])
     state = build_control_state(cfg, 4, 2, 4)
     for r in range(2):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))

@@ -118,9 +118,10 @@ def test_identical_blocks_are_measured_once_for_their_group():
     adapter = _vit()
     calls = _count_forwards(adapter.blocks)
     costs = profile_costs(adapter, _batch(), repeats=3)
-    # The first block: a warm-up, 3 timed passes and one counting its saved bytes; the others
-    # take its figures without running (their output is their input's size, as the first's).
-    assert calls == [5] + [0] * (DEPTH - 1)
+    # The first block: a warm-up, 3 timed passes and one counting its saved bytes, on the batch
+    # and again on an eighth of it (its fixed part per micro-batch); the others take its figures
+    # without running (their output is their input's size, as the first's).
+    assert calls == [10] + [0] * (DEPTH - 1)
     assert len(set(costs.blocks)) == 1
     assert costs.blocks[0].forward_s > 0 and costs.blocks[0].backward_s > 0
 
@@ -167,8 +168,9 @@ def test_blocks_that_resize_their_input_run_in_every_position():
                   target=torch.tensor([0, 1, 2, 0, 1]))
     costs = profile_costs(adapter, batch, repeats=3)
     # Each structure's first block is measured in full; its later twin runs once more (warm),
-    # since the block after it needs its real output, and the pair shares one median time.
-    assert calls == [5, 5, 1, 1]
+    # since the block after it needs its real output, and the pair shares one median time; all
+    # of it twice, on the batch and on one sample (each layer's fixed part per micro-batch).
+    assert calls == [10, 10, 2, 2]
     assert [c.activation_bytes for c in costs.blocks] == [4 * 4.0, 8 * 4.0] * 2
     assert costs.blocks[0].forward_s == costs.blocks[2].forward_s
     assert costs.blocks[1].backward_s == costs.blocks[3].backward_s

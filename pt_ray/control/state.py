@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from statistics import median
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from pt_ray.core.plan import (
     PlanSettings,
     replica_batch,
 )
+from pt_ray.control.trials import FirstLayoutTrials
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
@@ -64,6 +65,8 @@ def merge_costs(tables: list[CostTable]) -> CostTable:
             max(c.param_bytes for c in costs),
             None if any(c.saved_bytes is None for c in costs)
             else max(c.saved_bytes for c in costs),
+            median(c.forward_fixed_s for c in costs),
+            median(c.backward_fixed_s for c in costs),
         )
 
     first = tables[0]
@@ -73,6 +76,12 @@ def merge_costs(tables: list[CostTable]) -> CostTable:
         merge([t.head for t in tables]),
         samples=first.samples,
     )
+
+
+def _plan(plain: Mapping[str, Any]) -> Plan:
+    """A plan from its ``asdict`` form (checkpoints keep plans as plain data)."""
+    return Plan(**{**plain, "boundaries": tuple(plain["boundaries"]),
+                   "stage_loads": tuple(plain["stage_loads"])})
 
 
 def transition_line(label: str, old: Plan, new: Plan) -> str:
@@ -146,6 +155,8 @@ class ControlState:
         make_planner: builds the planner once the merged cost table is known.
         decision_label: how log lines name a decision point (``"epoch"`` or ``"interval"``).
         guard: the accuracy guard, fed each epoch's record (default: off).
+        trial_margin: first layouts predicted within this fraction of the fastest are timed
+            by the workers before one is chosen (:meth:`trial_plans`); 0: never.
 
     With ``interval=epoch``, decision ``d`` opens epoch ``d`` until a rollback: the plan that
     orders one (``rollback_to = q``) opens epoch ``q`` again, and the decisions after it open
@@ -160,8 +171,13 @@ class ControlState:
         decision_label: str = "epoch",
         guard: FreezeGuard | None = None,
         min_device_batch: int = 0,
+        trial_margin: float = 0.0,
     ) -> None:
         self.num_workers = num_workers
+        self.trial_margin = trial_margin
+        self.trials: FirstLayoutTrials | tuple[()] | None = None  # None until costs are in
+        self.start_trials: list[dict[str, Any]] = []  # what the trials measured
+        self.start_plan: Plan | None = None  # the layout the run started on
         self.min_device_batch = min_device_batch
         self.policy = policy
         self.guard = guard or FreezeGuard(points=None)
@@ -187,15 +203,41 @@ class ControlState:
         if len(self._cost_tables) == self.num_workers:
             self.costs = merge_costs([self._cost_tables[r] for r in sorted(self._cost_tables)])
             self.planner = self.make_planner(self.costs)
-            plan = self.planner.initial_plan()
-            first = self.policy.decide(0, 0, None).num_frozen
-            if first:
-                plan = self.planner.next_plan(plan, first)
-            self.plans[0] = plan
-            logger.info("initial plan %s", plan.describe())
-            self._say_feed(plan)
-            if plan.num_frozen:
-                logger.info("%s 0: %s", self.decision_label, self.planner.cache_reason(plan))
+            layouts = self.planner.trial_plans(self.trial_margin)
+            if not layouts:
+                self.trials = ()
+                self._first_plan(self.planner.initial_plan())
+                return
+            self.trials = FirstLayoutTrials(layouts, self.planner.replica_batch,
+                                            self.trial_margin)
+
+    def trial_plans(self) -> tuple[Plan, ...] | None:
+        """The first layouts the workers time before decision 0's plan is chosen (empty when
+        the prediction alone chose it, or it is already chosen); None until every rank's costs
+        are in."""
+        if self.trials is None:
+            return None
+        return () if 0 in self.plans or not self.trials else self.trials.plans
+
+    def submit_trial(self, seconds: Sequence[float]) -> None:
+        """The trial layouts' seconds per step; decision 0's plan is the fastest measured
+        (:meth:`FirstLayoutTrials.choose`)."""
+        if 0 not in self.plans and self.trials:  # else already chosen (a worker resubmitting)
+            self._first_plan(self.trials.choose(seconds))
+            self.start_trials = self.trials.measured
+
+    def _first_plan(self, plan: Plan) -> None:
+        """Decision 0's plan: ``plan``, with what the policy freezes before any training."""
+        self.start_plan = plan
+        self.planner.start_on(plan)
+        first = self.policy.decide(0, 0, None).num_frozen
+        if first:
+            plan = self.planner.next_plan(plan, first)
+        self.plans[0] = plan
+        logger.info("initial plan %s", plan.describe())
+        self._say_feed(plan)
+        if plan.num_frozen:
+            logger.info("%s 0: %s", self.decision_label, self.planner.cache_reason(plan))
 
     def submit_norms(self, decision: int, norms: Mapping[int, float]) -> None:
         """The per-block gradient norms of every trained block during interval ``decision``
@@ -310,6 +352,8 @@ class ControlState:
             "guard": self.guard.state_dict(),
             "rollbacks": list(self.rollbacks),
             "discarded": [self._plain(r) for r in self.discarded],
+            "start_trials": list(self.start_trials),
+            "start_plan": self._plain(self.start_plan) if self.start_plan else None,
         }
 
     def _plain(self, item: Any) -> dict[str, Any]:
@@ -351,11 +395,10 @@ class ControlState:
                 samples=c["samples"],
             )
             self.planner = self.make_planner(self.costs)
-        self.plans = {
-            int(d): Plan(**{**p, "boundaries": tuple(p["boundaries"]),
-                            "stage_loads": tuple(p["stage_loads"])})
-            for d, p in state["plans"].items()
-        }
+        self.plans = {int(d): _plan(p) for d, p in state["plans"].items()}
+        if state.get("start_plan") is not None:
+            self.start_plan = _plan(state["start_plan"])
+            self.planner.start_on(self.start_plan)
         self.timeline = [EpochRecord.from_dict(r) for r in state["timeline"]]
         self.decisions = list(state["decisions"])
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):
@@ -364,6 +407,7 @@ class ControlState:
             self.guard.load_state_dict(state["guard"])
         self.rollbacks = list(state.get("rollbacks", []))
         self.discarded = [EpochRecord.from_dict(r) for r in state.get("discarded", [])]
+        self.start_trials = list(state.get("start_trials", []))
 
 
 def start_pipeline_length(cfg: RunConfig, num_layers: int, num_workers: int) -> int:
@@ -497,12 +541,11 @@ def build_control_state(
         if p.policy == "paper":
             return PaperPlanner(num_workers, costs, settings, cache_from=_paper_cache_from(
                 cfg, cache.mode, costs, hw, layout, num_workers))
+        # By default (as the paper) a stage may hold what the largest stage held at the start.
         planner = CostModelPlanner(num_workers, costs, hw, settings, cache=cache.mode,
                                    cache_min_frozen=cfg.cache.min_frozen or 1,
-                                   cache_layout=layout)
-        if budget is None:
-            # By default (as the paper) a stage may hold what the largest stage held at the start.
-            planner.memory_budget = max(planner.stage_memory(planner.initial_plan()))
+                                   cache_layout=layout, budget_from_start=budget is None)
+        planner.start_on(planner.initial_plan())  # until trials choose another start
         return planner
 
     label = "epoch" if decision_interval(cfg, steps_per_epoch) is None else "decision"
@@ -512,7 +555,7 @@ def build_control_state(
     floor = p.min_device_batch if p.min_device_batch != "auto" else (
         GPU_BUSY_BATCH if gpu_workers else 0)
     return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard,
-                        min_device_batch=floor)
+                        min_device_batch=floor, trial_margin=p.start_trial_margin)
 
 
 def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw: HardwareProfile,

@@ -280,6 +280,12 @@ class PipelineConfig(_Section):
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule: ``gpipe`` (the paper's, fill-drain) or ``1f1b`` (same bubble, far less
     activation memory)."""
+    start_trial_margin: float = Field(default=0.3, ge=0)
+    """With ``pipeline_length=auto`` and ``policy=cost``: the first layouts (one per pipeline
+    length) whose predicted throughput is within this fraction of the fastest one's are each
+    timed for a few steps at the start (forward, backward and the data-parallel reduce; no
+    update, so the run trains as it would have), and the fastest measured becomes the first
+    plan. 0: the prediction alone decides."""
     memory_budget_bytes: int | Literal["auto"] = "auto"
     """Most memory one stage may hold; ``auto``: the largest stage of the initial plan."""
     policy: Literal["cost", "paper"] = "cost"

@@ -54,6 +54,11 @@ class LayerCost:
         saved_bytes: bytes the layer's forward keeps for its backward, per sample, measured
             when it was profiled; None: unknown (estimates multiply ``activation_bytes`` by a
             factor instead, see :meth:`kept_bytes`).
+        forward_fixed_s: the part of ``forward_s`` a micro-batch costs whatever its size
+            (kernel launches, small matrices that leave the device idle), from a second
+            profile at a smaller micro-batch; 0: time in proportion to the samples.
+        backward_fixed_s: the same for ``backward_s`` (a dense embedding gradient is written
+            whole for one sample as for a thousand).
     """
 
     forward_s: float
@@ -61,6 +66,17 @@ class LayerCost:
     activation_bytes: float
     param_bytes: float
     saved_bytes: float | None = None
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
+
+    def forward_at(self, scale: float) -> float:
+        """Forward seconds of a micro-batch of ``scale`` times the profiled samples: the fixed
+        part once, the rest in proportion."""
+        return self.forward_fixed_s + (self.forward_s - self.forward_fixed_s) * scale
+
+    def backward_at(self, scale: float) -> float:
+        """Backward seconds of a micro-batch of ``scale`` times the profiled samples."""
+        return self.backward_fixed_s + (self.backward_s - self.backward_fixed_s) * scale
 
     def kept_bytes(self, factor: float) -> float:
         """Bytes kept for backward per sample: the measured ``saved_bytes``, else
@@ -97,7 +113,9 @@ class CostTable:
         not checkpointed). Applying it twice changes nothing."""
         if self.recompute:
             return self
-        blocks = tuple(replace(b, backward_s=b.backward_s + b.forward_s) for b in self.blocks)
+        blocks = tuple(replace(b, backward_s=b.backward_s + b.forward_s,
+                               backward_fixed_s=b.backward_fixed_s + b.forward_fixed_s)
+                       for b in self.blocks)
         return replace(self, blocks=blocks, recompute=True)
 
     @classmethod
@@ -333,6 +351,26 @@ def feed_line(plan: Plan, settings: PlanSettings, minimum: int) -> tuple[str, bo
     return line, short
 
 
+@dataclass(frozen=True)
+class TrialLayout:
+    """A first layout the workers time before the first plan is chosen.
+
+    Attributes:
+        plan: the layout (its generation numbers it among the trials).
+        predicted_rate: the planner's predicted samples per second.
+        update_s: the predicted optimizer step, which a trial does not run (it updates
+            nothing) and its measured time does not hold.
+    """
+
+    plan: Plan
+    predicted_rate: float
+    update_s: float
+
+    def rate(self, pass_s: float, samples: int) -> float:
+        """Samples per second of a step whose passes and reduce took ``pass_s`` seconds."""
+        return samples / (pass_s + self.update_s)
+
+
 class Planner(Protocol):
     """What the controller asks of a planner (:class:`PaperPlanner`, or
     :class:`pt_ray.costs.costplan.CostModelPlanner`)."""
@@ -345,6 +383,14 @@ class Planner(Protocol):
 
     def initial_plan(self) -> Plan:
         """Generation 0: nothing frozen."""
+
+    def start_on(self, plan: Plan) -> None:
+        """The run starts on ``plan`` (a planner whose memory budget is the start's largest
+        stage sets it here)."""
+
+    def trial_plans(self, margin: float) -> tuple[TrialLayout, ...]:
+        """First layouts to time before choosing among them (empty: :meth:`initial_plan`
+        stands), numbered as generations from 0; ``margin``: how close their predictions are."""
 
     def next_plan(self, prev: Plan, num_frozen: int) -> Plan:
         """The plan after the frozen prefix grows to ``num_frozen`` (``prev`` when nothing
@@ -506,6 +552,13 @@ class PaperPlanner:
         """Generation 0: nothing frozen, the initial pipeline length."""
         k = self.initial_pipeline_length
         return self._make(0, 0, k, self._partition(0, k))
+
+    def start_on(self, plan: Plan) -> None:
+        """Nothing: the budget is the initial plan's largest stage from the start."""
+
+    def trial_plans(self, margin: float) -> tuple[TrialLayout, ...]:
+        """None: the paper's rule fixes the start (K = N, or as configured)."""
+        return ()
 
     def pipeline_length_for(self, num_frozen: int, current: int) -> int:
         """The paper's rule: the shortest pipeline (a divisor of N, at most ``current``) whose

@@ -273,11 +273,11 @@ def _prefix_time(costs: CostTable, hw: HardwareProfile, runtime: Runtime, n: int
     """Stage 0's frozen-prefix work for ``samples`` samples."""
     if n == 0:
         return 0.0
-    per = 1.0 / costs.samples
+    scale = samples / costs.samples
 
     def forward(lo: int) -> float:
-        t = sum(b.forward_s for b in costs.blocks[lo:n]) + (costs.embed.forward_s if lo == 0 else 0)
-        return t * per * samples
+        layers = [*([costs.embed] if lo == 0 else []), *costs.blocks[lo:n]]
+        return sum(c.forward_at(scale) for c in layers)
 
     def io(level: int) -> float:
         return costs.blocks[level - 1].activation_bytes * samples / runtime.cache_rate(hw)
@@ -311,7 +311,9 @@ def step_time(
 
     Args:
         plan: the layout (K, R, boundaries, M, schedule, cache).
-        costs: per-layer costs (times for ``costs.samples`` samples; scaled linearly).
+        costs: per-layer costs (times for ``costs.samples`` samples; a micro-batch of another
+            size costs each layer's fixed part once and the rest in proportion:
+            :meth:`pt_ray.core.plan.LayerCost.forward_at`).
         hw: the cluster.
         batch_per_replica: samples each replica takes per step.
         runtime: how the runtime places the frozen prefix and writes the cache.
@@ -362,19 +364,15 @@ def _stage_work(plan: Plan, costs: CostTable, scale: float, overhead: float
     k, n = plan.pipeline_length, plan.num_frozen
     fwd, bwd, grads = [], [], []
     for s in range(k):
-        f = b = p = 0.0
-        for i in plan.stage_blocks(s):
-            c = costs.blocks[i]
-            f, b, p = f + c.forward_s, b + c.backward_s, p + c.param_bytes
+        layers = [costs.blocks[i] for i in plan.stage_blocks(s)]
         if s == 0 and n == 0:
-            f, b = f + costs.embed.forward_s, b + costs.embed.backward_s
-            p += costs.embed.param_bytes
+            layers.append(costs.embed)
         if s == k - 1:
-            head = costs.head
-            f, b, p = f + head.forward_s, b + head.backward_s, p + head.param_bytes
-        fwd.append(f * scale + overhead)
-        bwd.append(b * scale + overhead if b > 0 else 0.0)
-        grads.append(p)
+            layers.append(costs.head)
+        b = sum(c.backward_at(scale) for c in layers)
+        fwd.append(sum(c.forward_at(scale) for c in layers) + overhead)
+        bwd.append(b + overhead if b > 0 else 0.0)
+        grads.append(sum(c.param_bytes for c in layers))
     return fwd, bwd, grads
 
 

@@ -42,12 +42,13 @@ from pt_ray.core.plan import (
     CostTable,
     Plan,
     PlanSettings,
+    TrialLayout,
     divisors,
     pinned_length,
     too_few_microbatches,
 )
 
-__all__ = ["CostModelPlanner", "cache_break_even", "stage_partition"]
+__all__ = ["CostModelPlanner", "cache_break_even", "close_first_layouts", "stage_partition"]
 
 _FIT = 1 + 1e-9
 
@@ -72,6 +73,9 @@ class CostModelPlanner:
             blocks.
         cache_layout: how the cache keeps its rows, for the cost of a read in the run's plain
             order (None: a read moves only the rows it uses).
+        budget_from_start: the memory budget becomes the largest stage of the plan the run
+            starts on (:meth:`start_on`; the paper's default), once the start is known; until
+            then layouts are weighed against what a device holds.
         runtime: how the runtime runs the prefix and writes the cache.
         activation_memory_factor: bytes a block keeps for backward per byte of its output,
             for layers whose ``saved_bytes`` were not measured (analytic tables;
@@ -93,6 +97,7 @@ class CostModelPlanner:
         cache: Literal["auto", "on", "off"] = "auto",
         cache_min_frozen: int = 1,
         cache_layout: CacheLayout | None = None,
+        budget_from_start: bool = False,
         runtime: Runtime = PT_RAY,
         activation_memory_factor: float = 24.0,
         max_microbatches_per_stage: int = 16,
@@ -128,6 +133,8 @@ class CostModelPlanner:
                                         activation_factor=activation_memory_factor)
         self.memory_budget = (settings.memory_budget if settings.memory_budget is not None
                               else 0.9 * hw.device_memory_bytes)
+        self.device_budget = self.memory_budget  # what any start must fit
+        self.budget_from_start = budget_from_start
         if k0 is None:
             self.initial_pipeline_length = self._choose(0, num_workers).pipeline_length
             return
@@ -217,13 +224,16 @@ class CostModelPlanner:
             activation_checkpointing=self.settings.activation_checkpointing,
         )
 
-    def _best(self, num_frozen: int, k: int, cache: bool, check_memory: bool = True) -> Plan | None:
-        """The fastest M for (n, K, cache) among those that fit; None if none fits."""
+    def _best(self, num_frozen: int, k: int, cache: bool, check_memory: bool = True,
+              budget: float | None = None) -> Plan | None:
+        """The fastest M for (n, K, cache) among those that fit ``budget`` (default: the
+        memory budget); None if none fits."""
         part = self._partition(num_frozen, k, cache)
+        budget = self.memory_budget if budget is None else budget
         best, best_rate = None, -1.0
         for m in self._microbatch_candidates(k, self.num_workers // k):
             plan = self._layout(num_frozen, k, m, cache, part)
-            if check_memory and max(self.stage_memory(plan)) > self.memory_budget * _FIT:
+            if check_memory and max(self.stage_memory(plan)) > budget * _FIT:
                 continue
             rate = self.predict(plan).throughput
             if rate > best_rate * _FIT:
@@ -256,40 +266,8 @@ class CostModelPlanner:
             best = self._best(num_frozen, ks[-1], caches[-1], check_memory=False)
         if best is None:
             raise self._no_microbatches(ks[-1])
-        self._cache_notes[num_frozen] = self._cache_note(num_frozen, fastest)
+        self._cache_notes[num_frozen] = cache_note(self, num_frozen, fastest)
         return best
-
-    def _cache_note(self, num_frozen: int, fastest: dict[bool, tuple[Plan, float]]) -> str:
-        """Why plans with ``num_frozen`` frozen blocks read the cache or not, with the numbers."""
-        if num_frozen == 0:
-            return "nothing is frozen"
-        if self.cache != "auto":
-            return f"cache.mode={self.cache}"
-        if num_frozen < self.cache_min_frozen:
-            return f"fewer frozen blocks than cache.min_frozen={self.cache_min_frozen}"
-        if not fastest:
-            return "no layout fits the memory budget (the longest pipeline is kept)"
-        if True not in fastest:
-            return "no layout with the cache fits the memory budget"
-        on, off = fastest[True], fastest.get(False)
-        note = f"predicted {on[1]:.0f} samples/s with the cache"
-        if off is not None:
-            note += f", {off[1]:.0f} without"
-        layout = self.cache_layout
-        if layout is None:
-            return note
-        row = self.costs.blocks[num_frozen - 1].activation_bytes
-        size, memo = layout.cache_bytes(row), layout.memo_bytes
-        if layout.fits(row):
-            limit = "" if memo is None else f" ({memo / 2**20:.0f} MiB)"
-            return (f"{note}; the whole cache ({size / 2**20:.1f} MiB) fits a worker's memo"
-                    f"{limit}, read once per epoch")
-        rows = self.replica_batch(on[0].num_replicas)
-        return (f"{note}; the cache ({size / 2**20:.1f} MiB) outgrows a worker's memo "
-                f"({(memo or 0) / 2**20:.0f} MiB, cache.worker_memo_bytes), so a pass of {rows} "
-                f"rows reads about {layout.blocks_touched(rows):.0f} of {layout.num_blocks} "
-                f"blocks whole: {self._read_factor(num_frozen, on[0].num_replicas):.1f}x the "
-                f"bytes it uses")
 
     def cache_reason(self, plan: Plan) -> str:
         """Why ``plan`` reads the cache or not, in one line with the predicted numbers."""
@@ -313,6 +291,16 @@ class CostModelPlanner:
     def pipeline_length_for(self, num_frozen: int, current: int) -> int:
         """The predicted-fastest K that fits, at most ``current``."""
         return self._choose(num_frozen, current).pipeline_length
+
+    def start_on(self, plan: Plan) -> None:
+        """The run starts on ``plan``: with ``budget_from_start``, a stage may hold from now on
+        what ``plan``'s largest stage holds."""
+        if self.budget_from_start:
+            self.memory_budget = max(self.stage_memory(plan))
+
+    def trial_plans(self, margin: float) -> tuple[TrialLayout, ...]:
+        """The close first layouts worth timing (:func:`close_first_layouts`)."""
+        return close_first_layouts(self, margin)
 
     def initial_plan(self) -> Plan:
         """Generation 0: nothing frozen, the initial pipeline length, the fastest M."""
@@ -403,3 +391,62 @@ def cache_break_even(
         if read / runtime.cache_rate(hw) < forward:
             return n
     return None
+
+
+def close_first_layouts(planner: CostModelPlanner, margin: float) -> tuple[TrialLayout, ...]:
+    """The first layouts worth timing: with the start chosen by prediction
+    (``initial_pipeline_length`` None), the fastest layout of each pipeline length whose
+    predicted throughput is within ``margin`` (a fraction) of the fastest one's, fastest first,
+    numbered as generations ``0, 1, ...``. Empty when one layout stands alone (or the start is
+    configured): there is nothing to time.
+
+    The cost model is right about trends (a longer pipeline pays a bubble; more replicas pay a
+    reduce) and off by tens of percent on absolute step times where other processes share the
+    host, so a choice between close predictions is left to a measurement.
+    """
+    if planner.settings.initial_pipeline_length is not None or margin <= 0:
+        return ()
+    best = [p for k in divisors(planner.num_workers) if k <= max(1, planner.costs.num_layers)
+            if (p := planner._best(0, k, False, budget=planner.device_budget)) is not None]
+    rates = {p: planner.predict(p).throughput for p in best}
+    top = max(rates.values(), default=0.0)
+    close = sorted((p for p in best if rates[p] * (1 + margin) >= top), key=lambda p: -rates[p])
+    if len(close) < 2:
+        return ()
+    return tuple(TrialLayout(replace(p, generation=g), rates[p], planner.predict(p).optimizer_s)
+                 for g, p in enumerate(close))
+
+
+def cache_note(planner: CostModelPlanner, num_frozen: int,
+               fastest: dict[bool, tuple[Plan, float]]) -> str:
+    """Why ``planner``'s plans with ``num_frozen`` frozen blocks read the cache or not, with the
+    numbers (``fastest``: per cache choice, its fastest layout and predicted rate)."""
+    if num_frozen == 0:
+        return "nothing is frozen"
+    if planner.cache != "auto":
+        return f"cache.mode={planner.cache}"
+    if num_frozen < planner.cache_min_frozen:
+        return f"fewer frozen blocks than cache.min_frozen={planner.cache_min_frozen}"
+    if not fastest:
+        return "no layout fits the memory budget (the longest pipeline is kept)"
+    if True not in fastest:
+        return "no layout with the cache fits the memory budget"
+    on, off = fastest[True], fastest.get(False)
+    note = f"predicted {on[1]:.0f} samples/s with the cache"
+    if off is not None:
+        note += f", {off[1]:.0f} without"
+    layout = planner.cache_layout
+    if layout is None:
+        return note
+    row = planner.costs.blocks[num_frozen - 1].activation_bytes
+    size, memo = layout.cache_bytes(row), layout.memo_bytes
+    if layout.fits(row):
+        limit = "" if memo is None else f" ({memo / 2**20:.0f} MiB)"
+        return (f"{note}; the whole cache ({size / 2**20:.1f} MiB) fits a worker's memo"
+                f"{limit}, read once per epoch")
+    rows = planner.replica_batch(on[0].num_replicas)
+    return (f"{note}; the cache ({size / 2**20:.1f} MiB) outgrows a worker's memo "
+            f"({(memo or 0) / 2**20:.0f} MiB, cache.worker_memo_bytes), so a pass of {rows} "
+            f"rows reads about {layout.blocks_touched(rows):.0f} of {layout.num_blocks} "
+            f"blocks whole: {planner._read_factor(num_frozen, on[0].num_replicas):.1f}x the "
+            f"bytes it uses")

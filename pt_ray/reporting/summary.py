@@ -197,6 +197,8 @@ class RunSummary(BaseModel):
         restarts: worker-group restarts from a checkpoint.
         rollbacks: the accuracy guard's rollbacks.
         startup: where the start-up went, in seconds per part.
+        start_trials: the first layouts timed before the first plan was chosen, each with its
+            predicted and measured samples per second (empty: the prediction alone chose).
         resumed_from: the checkpoint a resumed run continued and the epoch after which it
             resumed.
     """
@@ -218,6 +220,7 @@ class RunSummary(BaseModel):
     restarts: int = 0
     rollbacks: list[dict[str, Any]] = []
     startup: dict[str, float] = {}
+    start_trials: list[dict[str, Any]] = []
     resumed_from: dict[str, Any] | None = None
 
 

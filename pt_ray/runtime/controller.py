@@ -26,6 +26,16 @@ class Controller(Protocol):
 
     def submit_costs(self, rank: int, costs: CostTable) -> None: ...
 
+    def trial_plans(self) -> tuple[Plan, ...]:
+        """The first layouts to time before decision 0's plan is chosen (empty: none); blocks
+        until every rank's costs are in."""
+        ...
+
+    def submit_trial(self, rank: int, seconds: list[float]) -> None:
+        """Seconds per step of each trial layout, the slowest rank's (the same on every rank;
+        one copy is kept)."""
+        ...
+
     def plan_for(self, decision: int) -> Plan:
         """The plan from decision ``decision`` on; blocks until it is decided."""
         ...
@@ -62,6 +72,15 @@ class LocalController:
     def submit_costs(self, rank: int, costs: CostTable) -> None:
         for r, row in enumerate(self.comm.all_gather(_costs_to_tensor(costs))):
             self.state.submit_costs(r, _costs_from_tensor(row.cpu()))
+
+    def trial_plans(self) -> tuple[Plan, ...]:
+        trials = self.state.trial_plans()
+        if trials is None:
+            raise RuntimeError("trial layouts asked before every rank's costs were submitted")
+        return trials
+
+    def submit_trial(self, rank: int, seconds: list[float]) -> None:
+        self.state.submit_trial(seconds)  # each rank's own copy of the state
 
     def plan_for(self, decision: int) -> Plan:
         plan = self.state.plan_for(decision)

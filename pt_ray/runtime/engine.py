@@ -35,7 +35,7 @@ import torch.distributed as dist
 from pt_ray.control.state import decision_interval
 from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import CostTable, Plan
-from pt_ray.data.base import DatasetSplits, gather, set_epoch
+from pt_ray.data.base import DatasetSplits, set_epoch
 from pt_ray.data.sampler import training_sampler
 from pt_ray.models.base import ModelAdapter
 from pt_ray.reporting.steplog import StepRecord
@@ -44,18 +44,21 @@ from pt_ray.runtime.cache import ActivationStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
 from pt_ray.runtime.faults import Faults, stall
-from pt_ray.runtime.layout import Layout, to_device_batch
+from pt_ray.runtime.layout import Layout
 from pt_ray.runtime.memory import MemoryMeter
 from pt_ray.runtime.migrate import LayerStates
 from pt_ray.runtime.norms import GradNormMeter, merge_block_norms, norm_row
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.prefix import cached_prefix_for, epoch_counters, store_figures
-from pt_ray.runtime.profile import profile_costs
+from pt_ray.runtime.profile import profile_share
 from pt_ray.runtime.records import EpochFigures, StepReports, count_correct, epoch_record
 from pt_ray.runtime.rankstate import RankState
 from pt_ray.runtime.step import Stepper
 
 __all__ = ["Controller", "ElasticWorker", "EngineHooks", "LocalController"]
+
+TRIAL_STEPS = 3
+"""Steps rehearsed per first layout the controller asks to time, after one warm-up."""
 
 logger = logging.getLogger(__name__)
 
@@ -153,17 +156,21 @@ class ElasticWorker:
         """Profile (or take the fixed costs), submit them, and enter decision 0's plan."""
         costs = self.fixed_costs
         if costs is None:
-            # One pass's replica share (what a device holds at once with accumulation).
-            n = max(1, self.cfg.data.batch_size // self.cfg.optimizer.accumulation_steps
-                    // self.world)
-            batch = gather(self.splits.train, list(range(min(n, len(self.splits.train)))))
-            # Each layer visits the device only while it is timed: the whole model never
-            # needs to fit there.
-            costs = profile_costs(self.adapter, to_device_batch(batch, self.device),
-                                  precision=self.precision)
+            # One pass's replica share: what a device holds at once with accumulation.
+            share = self.cfg.data.batch_size // self.cfg.optimizer.accumulation_steps // self.world
+            costs = profile_share(self.adapter, self.splits.train, share, self.device,
+                                  self.precision)
             if self.prefix is not None:
                 self.prefix.set_costs(costs)
         self.controller.submit_costs(self.rank, costs)
+        trials = self.controller.trial_plans()
+        if trials:  # close first layouts: time each (the slowest rank's figure counts)
+            seconds = []
+            for plan in trials:
+                self.apply_plan(plan)
+                batches = self.sampler.epoch_batches(0, self._replicas_batch())
+                seconds.append(self.stepper.rehearse(batches[:TRIAL_STEPS + 1]))
+            self.controller.submit_trial(self.rank, self.comm.reduce_values(seconds, op="max"))
         self.apply_plan(self.controller.plan_for(0))
 
     def apply_plan(self, plan: Plan, restored: LayerStates | None = None) -> float:
@@ -220,10 +227,6 @@ class ElasticWorker:
     def steps_in_epoch(self) -> int:
         """Optimizer steps in an epoch under the current plan (for progress reporting)."""
         return len(self.splits.train) // max(self._replicas_batch(), 1)
-
-    def resume_decision(self) -> int:
-        """After an epoch: the decision a resumed run starts from (the next epoch's first)."""
-        return self.decision
 
     def train_epoch(self, epoch: int) -> EpochRecord:
         """Train one epoch (entering the plans of its decision points) and evaluate."""

@@ -21,12 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
+import time
 
 import numpy as np
 import torch
 
 from pt_ray.core.config import RunConfig
-from pt_ray.data.base import Batch, DatasetSplits, finish_batch, gather_stored, gather_targets
+from pt_ray.data.base import (
+    Batch,
+    DatasetSplits,
+    finish_batch,
+    gather_stored,
+    gather_targets,
+    set_epoch,
+)
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.sampler import accumulation_chunks, split_for_replica
 from pt_ray.models.base import ModelAdapter
@@ -104,11 +113,7 @@ class Stepper:
         self.lr = cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer)
         set_lr(layout.optimizer, self.lr)
         layout.optimizer.zero_grad(set_to_none=True)
-        parts = accumulation_chunks(len(indices), cfg.optimizer.accumulation_steps)
-        loss: torch.Tensor | float = 0.0
-        for c, part in enumerate(parts):
-            weight = 1.0 if len(parts) == 1 else (part.stop - part.start) / len(indices)
-            loss = loss + self._pass(indices[part], weight, sync=c == len(parts) - 1)
+        loss = self._passes(indices)
         self.global_step += 1
         self.samples_seen += len(indices)
         share = loss / r if layout.topo.is_last_stage else 0.0
@@ -116,6 +121,44 @@ class Stepper:
             self.norms.add_loss(share)
             layout.optimizer.step()
         return share
+
+    def _passes(self, indices: np.ndarray) -> torch.Tensor | float:
+        """The step's passes (one per accumulation chunk), gradients summed in ``.grad`` and
+        reduced by the last; returns this rank's part of the replica loss (as :meth:`_pass`)."""
+        parts = accumulation_chunks(len(indices), self.cfg.optimizer.accumulation_steps)
+        loss: torch.Tensor | float = 0.0
+        for c, part in enumerate(parts):
+            weight = 1.0 if len(parts) == 1 else (part.stop - part.start) / len(indices)
+            loss = loss + self._pass(indices[part], weight, sync=c == len(parts) - 1)
+        self._weight = 1.0
+        return loss
+
+    def rehearse(self, batches: list[np.ndarray]) -> float:
+        """Median seconds this rank takes for the passes and the data-parallel reduce of a step,
+        over the global batches ``batches`` after the first (a warm-up), under the layout in
+        force. What a step changes stays as it was: gradients are dropped, nothing is updated
+        or counted (no optimizer step, learning rate, norms or step counter), and the RNG is
+        put back, so the run draws the dropout masks it would have drawn. The engine times close
+        first layouts with it."""
+        device = self.layout.device
+        cuda = device.type == "cuda"
+        rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
+        set_epoch(self.splits.train, 0)
+        times = []
+        for indices in batches:
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            self._passes(indices)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            self.layout.optimizer.zero_grad(set_to_none=True)
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+        return statistics.median(times[1:] or times)
 
     def _reduce_and_clip(self) -> bool:
         """Record the per-block norms of the gradients (DDP averaged them over the replicas

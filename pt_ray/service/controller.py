@@ -148,6 +148,17 @@ class ControllerActor:
         self._state().submit_costs(rank, costs)
         await self._notify()
 
+    async def trial_plans(self) -> tuple[Plan, ...]:
+        """The first layouts to time; waits until every rank's costs are in."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self._state().trial_plans() is not None)
+            return self._state().trial_plans()
+
+    async def submit_trial(self, seconds: list[float]) -> None:
+        """The trial layouts' seconds per step, the slowest rank's (rank 0 sends them)."""
+        self._state().submit_trial(seconds)
+        await self._notify()
+
     async def submit_norms(self, decision: int, norms: dict[int, float]) -> None:
         """Interval ``decision``'s norms, merged over the workers (rank 0 sends them)."""
         self._state().submit_norms(decision, norms)
@@ -212,6 +223,7 @@ class ControllerActor:
         return {"timeline": await self.timeline(), "decisions": await self.decisions(),
                 "metric_name": self.metric_name, "restarts": self.restarts,
                 "rollbacks": rollbacks, "startup": self.startup_figures,
+                "start_trials": list(self.state.start_trials) if self.state else [],
                 "holds_state": self.state is not None}
 
     async def _notify(self) -> None:
@@ -293,6 +305,13 @@ class RayController:
 
     def submit_costs(self, rank: int, costs: CostTable) -> None:
         self._call("submit_costs", rank, costs)
+
+    def trial_plans(self) -> tuple[Plan, ...]:
+        return self._call("trial_plans")
+
+    def submit_trial(self, rank: int, seconds: list[float]) -> None:
+        if rank == 0:  # every rank holds the same figures
+            self._call("submit_trial", seconds)
 
     def _ask_ahead(self, method: str, decision: int) -> None:
         """Send ``method(decision)`` now and keep its answer for :meth:`_answer` (replacing an

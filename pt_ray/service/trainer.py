@@ -152,6 +152,8 @@ class RayRun:
             controller, placement and worker processes), then rank 0's ``dataset_s``,
             ``model_s`` and ``setup_s`` (controller set-up, profiling, the first plan); empty
             when the controller lost them in a restart.
+        start_trials: the first layouts timed at the start (``pipeline.start_trial_margin``),
+            each predicted and measured; empty when the prediction alone chose.
     """
 
     timeline: list[EpochRecord]
@@ -165,6 +167,7 @@ class RayRun:
     device: str = "cpu"
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     startup: dict[str, float] = field(default_factory=dict)
+    start_trials: list[dict[str, Any]] = field(default_factory=list)
 
 
 def cluster_devices(cfg: RunConfig) -> DeviceChoice:
@@ -364,7 +367,8 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         startup = {"worker_group_s": startup.pop("entered_at") - launched, **startup}
     return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
                   run_id, summary["restarts"], cache_report, config=cfg, device=choice.device,
-                  rollbacks=summary["rollbacks"], startup=startup)
+                  rollbacks=summary["rollbacks"], startup=startup,
+                  start_trials=summary.get("start_trials", []))
 
 
 def _final_summary(controller: Any, result: Any) -> dict[str, Any]:
@@ -397,7 +401,8 @@ def _final_summary(controller: Any, result: Any) -> dict[str, Any]:
             "restarts": summary["restarts"] if summary else 0,
             "rollbacks": [{**r, "discarded": list(state["discarded"])}
                           for r in state["rollbacks"]],
-            "startup": summary["startup"] if summary else {}}
+            "startup": summary["startup"] if summary else {},
+            "start_trials": list(state.get("start_trials", []))}
 
 
 def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:

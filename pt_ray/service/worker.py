@@ -166,7 +166,7 @@ def _report_with_checkpoint(worker: ElasticWorker, controller: RayController, ra
     the controller's state once the next decision is made; ``epoch`` is the one it resumes at.
     Ray Train copies the folder into the run's storage in the background and then deletes it,
     while the next epoch trains (a barrier still names it on every rank)."""
-    nxt = worker.resume_decision()
+    nxt = worker.decision
     tmp = Path(tempfile.mkdtemp(prefix="pt-ray-checkpoint-"))
     try:
         if rank == 0:  # answered once every rank's norms are in: the decision is made
