@@ -100,6 +100,11 @@ def test_damaged_idx_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"holds 211 bytes of data, but its header "
                                           r"\(6 x 6 x 6 uint8\) says 216"):
         build_dataset(DataConfig(name="mnist_idx", path=tmp_path))
+    cut = tmp_path / "train-labels-idx1-ubyte.gz"
+    cut.write_bytes(cut.read_bytes()[:-12])  # a download cut short
+    with pytest.raises(ConfigError, match=r"'.*train-labels-idx1-ubyte\.gz' cannot be read \("):
+        build_dataset(DataConfig(name="mnist_idx", path=tmp_path))
+    write_mnist_idx(tmp_path)
     write_idx(tmp_path / "t10k-images-idx3-ubyte", np.zeros((5, 6, 6), np.uint8))
     with pytest.raises(ConfigError, match=r"shape \(6,\) for 5 images"):
         build_dataset(DataConfig(name="mnist_idx", path=tmp_path))

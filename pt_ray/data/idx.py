@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +47,12 @@ def read_idx(path: Path) -> np.ndarray:
     """
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as err:
+    except (OSError, EOFError, zlib.error) as err:  # a missing, cut or damaged file
         raise ConfigError(f"{str(path)!r} cannot be read ({first_line(err)}); replace it with "
                           "the file as distributed") from err
     kind, ndim = (raw[2], raw[3]) if len(raw) >= 4 else (None, 0)
-    if len(raw) < 4 or raw[:2] != b"\0\0" or kind not in _IDX_TYPES or ndim == 0:
+    if (len(raw) < 4 + 4 * ndim or raw[:2] != b"\0\0" or kind not in _IDX_TYPES
+            or ndim == 0):
         raise ConfigError(f"{str(path)!r} is not an IDX file (its first bytes are "
                           f"{raw[:4].hex()}, not 0000 <type> <ndim>); replace it with the file "
                           "as distributed")
