@@ -64,7 +64,7 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     for rec in timeline:
         assert set(rec) == RECORD_KEYS | {"eval_time_s", "cache_saved_s", "cache_bytes",
                                           "cache_objects", "cache_cost_ratio", "memory",
-                                              "mean_frozen"}
+                                              "mean_frozen", "probe_time_s"}
         assert rec["memory"] == []  # per-rank memory is the Ray engine's (one process here)
         assert rec["num_layers"] == 2
         assert (rec["pipeline_length"], rec["num_replicas"], rec["num_microbatches"]) == (1, 1, 1)

@@ -38,7 +38,7 @@ def test_yaml_then_overrides_in_order(tmp_path):
         ("pipeline.pipeline_length=3",
          r"pipeline_length=3 does not divide pipeline\.num_workers=2; choose one of \[1, 2\]"),
         ("freeze.policy=greedy",
-         r"freeze\.policy='greedy': Input should be 'settled', 'converged', 'paper', 'schedule'"),
+         r"freeze\.policy='greedy': Input should be 'settled', 'probe', 'converged', 'paper'"),
         ("data.batch_size=7", r"data\.batch_size=7 is not divisible by pipeline\.num_workers=2"),
         ("data.name=cifar10", r"set data\.path"),
         ("model.width=64", None),

@@ -201,9 +201,9 @@ def train_then_checkpoint(rank, world, cfg, directory, epochs):
     worker.start()
     for epoch in range(epochs):
         worker.train_epoch(epoch)
-    worker.save_shard(Path(directory))
+    worker.state.save_shard(Path(directory), worker.next_epoch - 1)
     if rank == 0:
-        write_meta(Path(directory), {**worker.checkpoint_meta(epochs - 1),
+        write_meta(Path(directory), {**worker.state.meta(epochs - 1),
                                      "next_decision": worker.decision,
                                      "controller": control.state_dict()})
     worker.close()
@@ -434,9 +434,17 @@ def train_rank_with_trials(rank, world, cfg):
                                   len(splits.train) // cfg.data.batch_size)
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control))
-    before = torch.random.get_rng_state()
+    rehearse, same = worker.stepper.rehearse, []
+
+    def watched(batches):  # the RNG as each layout's rehearsals found it, after them
+        before = torch.random.get_rng_state()
+        seconds = rehearse(batches)
+        same.append(torch.equal(before, torch.random.get_rng_state()))
+        return seconds
+
+    worker.stepper.rehearse = watched
     worker.start()
-    same_rng = torch.equal(before, torch.random.get_rng_state())
+    same_rng = len(same) == len(control.start_trials) and all(same)
     timeline = worker.fit()
     states = worker.layer_state_dicts()
     worker.close()
@@ -471,3 +479,62 @@ def test_rehearsals_with_dropout_leave_the_rng_where_it_was():
                  pipeline={"num_workers": 2, "policy": "cost", "start_trial_margin": 100.0})
     results = run_ranks(train_rank_with_trials, 2, cfg)
     assert len(results[0][2]) == 2 and all(r[4] for r in results)
+
+
+def _recording(policy, seen):
+    """``policy`` with every decision's probe figures appended to ``seen``."""
+    decide = policy.decide
+
+    def recorded(decision, num_frozen, inputs=None):
+        figures = {k: v for k, v in (inputs or {}).items() if k < -1}
+        result = decide(decision, num_frozen, inputs)
+        seen.append((decision, num_frozen, figures, result.num_frozen))
+        return result
+
+    policy.decide = recorded
+    return policy
+
+
+def train_rank_probing(rank, world, cfg):
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    adapter = build_model_for(cfg, splits)
+    control = build_control_state(cfg, adapter.num_layers, world,
+                                  len(splits.train) // cfg.data.batch_size)
+    seen = []
+    _recording(control.policy, seen)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control), costs=costs_for(adapter.num_layers))
+    timeline = worker.fit()
+    states = worker.layer_state_dicts()
+    worker.close()
+    return states, timeline, seen
+
+
+def test_probe_decisions_inside_epochs_match_the_reference():
+    # Decisions every 2 steps; each tests blocks on 9 held-out samples, reverting them and
+    # everything trained on 2 ranks (K 2, stages holding different blocks), as the reference
+    # does in one process; a generous threshold lets tests pass, so the prefix grows.
+    cfg = config(VIT, "1f1b", 2, freeze={
+        "policy": "probe", "alpha": 0.5, "max_frozen": 3, "warmup_epochs": 0.3,
+        "interval": "steps", "interval_steps": 2, "probe_threshold": 0.9})
+    results = run_ranks(train_rank_probing, 2, cfg)
+    seen = results[0][2]
+    assert results[1][2] == seen  # every rank's controller saw the same figures
+    trainer = ReferenceTrainer(cfg)
+    ref_seen = []
+    _recording(trainer.policy, ref_seen)
+    ref_timeline = trainer.fit()
+    # The engine also decides after the last epoch (for a resume), the reference does not.
+    assert len(seen) == len(ref_seen) + 1
+    assert [(d, n, after) for d, n, _, after in seen[:-1]] == \
+        [(d, n, after) for d, n, _, after in ref_seen]
+    tested = [(f, g) for (_, _, f, _), (_, _, g, _) in zip(seen, ref_seen) if f]
+    assert len(tested) >= 2 and all(set(f) == set(g) == {-2, -3, -4} for f, g in tested)
+    worst = max(abs(f[k] - g[k]) for f, g in tested for k in f)
+    assert worst <= 1e-4, f"probe losses differ by {worst:.3g}"
+    # The tests froze blocks inside epochs, and the run still ends on the reference.
+    timeline = results[0][1]
+    assert any(r.mean_frozen not in (0, r.num_frozen) for r in timeline)
+    assert timeline[-1].num_frozen > 0
+    assert [r.num_frozen for r in timeline] == [r.num_frozen for r in ref_timeline]
+    assert_same_parameters([(r[0], r[1]) for r in results], cfg)

@@ -78,6 +78,11 @@ def merge_costs(tables: list[CostTable]) -> CostTable:
     )
 
 
+def _probing(plan: Plan, blocks: int) -> Plan:
+    """``plan`` with the leading active blocks its interval tests on the probe."""
+    return plan if plan.probe_blocks == blocks else replace(plan, probe_blocks=blocks)
+
+
 def _plan(plain: Mapping[str, Any]) -> Plan:
     """A plan from its ``asdict`` form (checkpoints keep plans as plain data)."""
     return Plan(**{**plain, "boundaries": tuple(plain["boundaries"]),
@@ -230,10 +235,10 @@ class ControlState:
         """Decision 0's plan: ``plan``, with what the policy freezes before any training."""
         self.start_plan = plan
         self.planner.start_on(plan)
-        first = self.policy.decide(0, 0, None).num_frozen
-        if first:
-            plan = self.planner.next_plan(plan, first)
-        self.plans[0] = plan
+        first = self.policy.decide(0, 0, None)
+        if first.num_frozen:
+            plan = self.planner.next_plan(plan, first.num_frozen)
+        self.plans[0] = plan = _probing(plan, first.probe)
         logger.info("initial plan %s", plan.describe())
         self._say_feed(plan)
         if plan.num_frozen:
@@ -294,12 +299,13 @@ class ControlState:
         result = self.guard.hold(self.policy.decide(decision, prev.num_frozen, norms),
                                  prev.num_frozen)
         plan = self.planner.next_plan(prev, result.num_frozen)
-        self.plans[decision] = plan
+        changed = plan is not prev
+        self.plans[decision] = plan = _probing(plan, 0 if self.guard.stopped else result.probe)
         self.decisions.append(
             {"decision": decision, "num_frozen": plan.num_frozen, "bound": result.bound,
              "reason": result.reason, "generation": plan.generation}
         )
-        if plan is not prev:
+        if changed:
             logger.info("%s (%s)", transition_line(f"{self.decision_label} {decision}", prev,
                                                    plan), result.reason)
             logger.info("%s %d: %s", self.decision_label, decision,
@@ -322,7 +328,7 @@ class ControlState:
         # No rollback has happened yet, so the prefix only grew: the layout that trained the
         # start of epoch q is the last plan with the prefix the guard restores.
         base = self.plans[max(d for d, p in self.plans.items() if p.num_frozen == v.num_frozen)]
-        plan = replace(base, generation=prev.generation + 1, rollback_to=q)
+        plan = replace(base, generation=prev.generation + 1, rollback_to=q, probe_blocks=0)
         self.plans[decision] = plan
         self.discarded += [r for r in self.timeline if r.epoch >= q]
         self.timeline = [r for r in self.timeline if r.epoch < q]
@@ -428,7 +434,8 @@ def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
     ``ceil(AUTO_DECISIONS / epochs)`` intervals, so that a fine-tuning run of a few epochs still
     gets :data:`AUTO_DECISIONS` decisions. (A policy's windows count decisions: deciding twice
     an epoch in a 14-epoch from-scratch run halves the time a block must stay converged, and
-    the ViT-Tiny shape then froze from epoch 10 and lost 3 points on seed 0.) ``paper`` and
+    the ViT-Tiny shape then froze from epoch 10 and lost 3 points on seed 0; ``probe`` counts
+    no windows and gets its decisions in runs of any length.) ``paper`` and
     ``schedule`` reproduce rules written per epoch, and ``none`` decides nothing: ``auto`` is
     per epoch for them. An interval as long as the epoch is per epoch.
     """
@@ -437,7 +444,7 @@ def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
         return None
     if f.interval == "steps":
         k = f.interval_steps
-    elif cfg.epochs >= AUTO_MIN_EPOCHS:
+    elif cfg.epochs >= AUTO_MIN_EPOCHS and f.policy != "probe":
         return None
     else:
         per_epoch = -(-AUTO_DECISIONS // cfg.epochs)
@@ -480,7 +487,7 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
     return build_freeze_policy(
         f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=max_frozen, warmup=warmup,
         ratio=f.converge_ratio, window=f.converge_window, plateau=f.plateau,
-        tolerance=f.settle_tolerance,
+        tolerance=f.settle_tolerance, threshold=f.probe_threshold,
     )
 
 

@@ -213,8 +213,11 @@ class DataConfig(_Section):
 class FreezeConfig(_Section):
     """AutoFreeze: when leading blocks stop training."""
 
-    policy: Literal["settled", "converged", "paper", "schedule", "none"] = "settled"
-    """``settled``: freeze a leading block once it has converged (as ``converged``) or, after
+    policy: Literal["settled", "probe", "converged", "paper", "schedule", "none"] = "settled"
+    """``probe``: test the next leading blocks on a probe split the run never trains on
+    (``probe_samples``) and freeze them when reverting their updates since the previous
+    decision gives back at most ``probe_threshold`` of what the interval gained there;
+    ``settled``: freeze a leading block once it has converged (as ``converged``) or, after
     the training loss has reached a plateau (``plateau``), once its gradient norm has stopped
     rising against its own level (``settle_tolerance``), at most alpha of the active blocks per
     decision; ``converged``: freeze a leading block only once its gradient norm has converged
@@ -246,6 +249,12 @@ class FreezeConfig(_Section):
     """``settled`` only: after the plateau, a block has settled when its mean gradient norm
     over the last ``converge_window`` decisions is at most ``1 +`` this times its mean over
     the ones before."""
+    probe_samples: int = Field(default=512, gt=0)
+    """``probe`` only: training samples held out as the probe (a fixed draw from the seed,
+    never trained on; at most a tenth of the training split)."""
+    probe_threshold: float = Field(default=0.1, ge=0, lt=1)
+    """``probe`` only: the largest share of an interval's gain in probe loss that the tested
+    blocks' updates may carry for them to freeze."""
     guard_points: float | None = Field(default=1.0, ge=0)
     """Accuracy guard: when the first evaluation after a freeze is more than this many points
     (100 x the metric) below the last one before it, freezing stops for the rest of the run;
@@ -259,7 +268,7 @@ class FreezeConfig(_Section):
     ``interval_steps`` optimizer steps inside it; ``auto``: per epoch in runs of 8 epochs or
     more, else each epoch cut into ``ceil(16 / epochs)`` equal intervals (a short fine-tuning
     run still gets 16 decisions), and per epoch for ``paper``, ``schedule`` and ``none`` (rules
-    written per epoch)."""
+    written per epoch); ``probe`` gets its 16 decisions in runs of any length."""
     interval_steps: int = Field(default=100, gt=0)
     """Steps between the decisions inside an epoch when ``interval=steps``."""
 

@@ -6,6 +6,11 @@ plus blocks ``0..n-1``; ``n`` never decreases.
 
 Policies:
 
+* ``probe``: asks data the run never trains on. At each decision it names the leading active
+  blocks to test over the next interval (``ceil(alpha * active)`` of them, halved after each
+  test they fail); at the interval's end the workers measure the probe loss with those blocks'
+  updates since the interval's start reverted, and the blocks freeze when reverting undoes at
+  most ``threshold`` of what the whole interval gained on the probe.
 * ``settled`` (the default): ``converged``'s test, or, once the run's training loss has stopped
   falling (a plateau), a block whose gradient norm has stopped rising against its own level; the
   frozen prefix grows over the leading blocks that pass, by at most ``ceil(alpha * active)``
@@ -53,7 +58,11 @@ __all__ = [
     "FreezePolicy",
     "NoFreeze",
     "POLICIES",
+    "PROBE_NOW",
+    "PROBE_REVERTED",
+    "PROBE_START",
     "PaperFreeze",
+    "ProbeFreeze",
     "ScheduleFreeze",
     "build_freeze_policy",
     "frozen_timeline",
@@ -66,6 +75,13 @@ _EPS = 1e-9
 LOSS_KEY = -1
 """The key under which a decision's inputs carry the interval's mean training loss, beside the
 per-block gradient norms (block indices are never negative)."""
+
+PROBE_NOW = -2
+"""Inputs key: the interval's probe loss with the parameters as they are at its end."""
+PROBE_REVERTED = -3
+"""Inputs key: the probe loss with the probed blocks as they were at the interval's start."""
+PROBE_START = -4
+"""Inputs key: the probe loss with every trained layer as it was at the interval's start."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,8 @@ class FreezeDecision:
     num_frozen: int
     bound: int
     reason: str
+    probe: int = 0
+    """Leading active blocks the workers test over the next interval (``probe`` only)."""
 
 
 class FreezePolicy(Protocol):
@@ -387,12 +405,94 @@ class SettledFreeze(ConvergedFreeze):
         self.losses = [float(x) for x in state.get("losses", [])]
 
 
-POLICIES = ("settled", "converged", "paper", "schedule", "none")
+@dataclass
+class ProbeFreeze(_Base):
+    """Freezes the leading blocks whose recent updates no longer help on held-out data.
+
+    A gradient norm says whether a block still moves, not whether its moves still help. At each
+    decision this policy asks the workers to test the next ``c`` leading active blocks over the
+    coming interval: they keep every trained layer's parameters at its start and, at its end,
+    measure the loss on a probe split the run never trains on three ways (:data:`PROBE_NOW`,
+    :data:`PROBE_REVERTED`, :data:`PROBE_START`). With
+
+    1. progress ``P = L_start - L_now``: what the interval gained on the probe;
+    2. undone ``U = L_reverted - L_now``: what reverting the ``c`` blocks' updates gives back;
+
+    the blocks freeze when ``U <= threshold * max(P, floor * L_now)``: their updates carried at
+    most ``threshold`` of the interval's gain (on a plateau, where ``P`` is about 0, reverting
+    them must cost at most ``threshold * floor`` of the loss). ``c`` starts at
+    ``ceil(alpha * active)`` and halves (to 1) after each failed test, so a block still
+    learning behind a settled one does not hold the settled one back; a pass resets it. Tests
+    start one decision before the warm-up ends, so the first decision after it can freeze.
+
+    Args (beyond the common ones):
+        threshold: the largest share of the interval's probe gain the candidates' updates may
+            carry.
+        floor: the smallest progress credited, as a fraction of the probe loss.
+    """
+
+    threshold: float = 0.1
+    floor: float = 0.01
+    name: Literal["probe"] = "probe"
+    asked: list[int] | None = None  # [num_frozen, blocks] under test this interval
+    span: int | None = None  # blocks to test after a failed test (None: alpha's step)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.threshold < 1:
+            raise ValueError(f"freeze.probe_threshold={self.threshold} must lie in [0, 1)")
+
+    def _verdict(self, num_frozen: int, inputs: Mapping[int, float]) -> tuple[int, str]:
+        """The frozen prefix after this interval's test, and why."""
+        now, back, start = (inputs.get(k) for k in (PROBE_NOW, PROBE_REVERTED, PROBE_START))
+        asked = self.asked
+        if asked is None or asked[0] != num_frozen or None in (now, back, start):
+            return num_frozen, "no probe this interval"
+        blocks = asked[1]
+        undone, gained = back - now, start - now
+        allowed = self.threshold * max(gained, self.floor * now)
+        figures = (f"probe loss {now:.4g}; the interval gained {gained:+.4g}, reverting blocks "
+                   f"{num_frozen}..{num_frozen + blocks - 1} gives back {undone:+.4g} "
+                   f"(allowed {allowed:.4g})")
+        if undone <= allowed:
+            self.span = None
+            return num_frozen + blocks, figures
+        self.span = max(1, blocks // 2)
+        return num_frozen, figures
+
+    def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
+        active = self.num_layers - num_frozen
+        bound = min(self.num_layers, num_frozen + _ceil(self.alpha * active))
+        if decision < self.warmup:
+            new, reason = num_frozen, f"warm-up (decision {decision})"
+        else:
+            passed, reason = self._verdict(num_frozen, grad_norms or {})
+            new = self._clamp(decision, num_frozen, min(bound, passed))
+            if new > num_frozen:
+                reason = f"{reason}; frozen {num_frozen} -> {new} (cap {self.max_frozen})"
+        step = self.span or _ceil(self.alpha * (self.num_layers - new))
+        blocks = max(0, min(step, self.max_frozen - new))
+        if decision + 1 < self.warmup:
+            blocks = 0
+        self.asked = [new, blocks] if blocks else None
+        return FreezeDecision(new, bound, reason, probe=blocks)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The test under way and the span after a failed one, for checkpoints."""
+        return {"asked": self.asked, "span": self.span}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.asked = None if state["asked"] is None else [int(x) for x in state["asked"]]
+        self.span = None if state["span"] is None else int(state["span"])
+
+
+POLICIES = ("settled", "probe", "converged", "paper", "schedule", "none")
 """The freeze policies, the default first."""
 
 
 def build_freeze_policy(
-    policy: Literal["settled", "converged", "paper", "schedule", "none"],
+    policy: Literal["settled", "probe", "converged", "paper", "schedule", "none"],
     *,
     num_layers: int,
     alpha: float,
@@ -402,7 +502,8 @@ def build_freeze_policy(
     window: int = 2,
     plateau: float = 0.01,
     tolerance: float = 0.1,
-) -> SettledFreeze | ConvergedFreeze | PaperFreeze | ScheduleFreeze | NoFreeze:
+    threshold: float = 0.1,
+) -> SettledFreeze | ProbeFreeze | ConvergedFreeze | PaperFreeze | ScheduleFreeze | NoFreeze:
     """Build a policy from plain arguments (``num_layers`` comes from the model).
 
     Args:
@@ -416,6 +517,7 @@ def build_freeze_policy(
         window: ``settled`` and ``converged``: consecutive decisions a test must hold for.
         plateau: ``settled`` only: see :class:`SettledFreeze`.
         tolerance: ``settled`` only: see :class:`SettledFreeze`.
+        threshold: ``probe`` only: see :class:`ProbeFreeze`.
     """
     cap = num_layers - 1 if max_frozen is None else max_frozen
     if cap > num_layers:
@@ -423,13 +525,16 @@ def build_freeze_policy(
             f"freeze.max_frozen={max_frozen} exceeds the model's {num_layers} blocks; "
             f"choose at most {num_layers}"
         )
-    classes = {"settled": SettledFreeze, "converged": ConvergedFreeze, "paper": PaperFreeze,
-               "schedule": ScheduleFreeze, "none": NoFreeze}
+    classes = {"settled": SettledFreeze, "probe": ProbeFreeze, "converged": ConvergedFreeze,
+               "paper": PaperFreeze, "schedule": ScheduleFreeze, "none": NoFreeze}
     if policy not in classes:
         raise ValueError(f"freeze.policy={policy!r} is not one of {list(POLICIES)}")
     if policy == "settled":
         return SettledFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup,
                              ratio=ratio, window=window, plateau=plateau, tolerance=tolerance)
+    if policy == "probe":
+        return ProbeFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup,
+                           threshold=threshold)
     if policy == "converged":
         return ConvergedFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap,
                                warmup=warmup, ratio=ratio, window=window)

@@ -161,6 +161,8 @@ class Plan:
             frozen prefix) and trains on from there.
         activation_checkpointing: every trainable block recomputes its forward in its backward
             (``pipeline.activation_checkpointing``).
+        probe_blocks: the leading active blocks whose updates the workers test on the probe
+            split over this plan's interval (``freeze.policy=probe``; 0: no test).
     """
 
     generation: int
@@ -175,6 +177,7 @@ class Plan:
     stage_loads: tuple[float, ...] = ()
     rollback_to: int | None = None
     activation_checkpointing: bool = False
+    probe_blocks: int = 0
 
     def __post_init__(self) -> None:
         k = self.pipeline_length

@@ -25,6 +25,7 @@ __all__ = [
     "GlobalSampler",
     "accumulation_chunks",
     "eval_shards",
+    "probe_indices",
     "split_for_replica",
     "training_sampler",
 ]
@@ -133,6 +134,9 @@ class GlobalSampler:
         seed: the run seed (non-negative); with the epoch it fixes the order.
         drop_last: drop the last incomplete batch of an epoch (default). Without it the last
             step is shorter and is split across replicas as evenly as possible.
+        held_out: dataset indices the run never trains on (the probe split of
+            ``freeze.policy=probe``); the order permutes the others, and ``num_samples``
+            counts them.
 
     Raises:
         ValueError: a non-positive size, a negative seed, or (with ``drop_last``) a batch
@@ -145,7 +149,12 @@ class GlobalSampler:
         batch_size: int,
         seed: int,
         drop_last: bool = True,
+        held_out: np.ndarray | None = None,
     ) -> None:
+        self.kept = None
+        if held_out is not None and len(held_out):
+            self.kept = np.setdiff1d(np.arange(num_samples, dtype=np.int64), held_out)
+            num_samples = len(self.kept)
         if num_samples <= 0:
             raise ValueError(f"num_samples={num_samples} must be positive; the split is empty")
         if batch_size <= 0:
@@ -190,6 +199,8 @@ class GlobalSampler:
             return self._cached[1]
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         order = order.astype(np.int64, copy=False)
+        if self.kept is not None:
+            order = self.kept[order]
         order.flags.writeable = False
         self._cached = (epoch, order)
         return order
@@ -242,8 +253,25 @@ class GlobalSampler:
 
 def training_sampler(cfg: RunConfig, num_samples: int) -> GlobalSampler:
     """The run's global sampler over a training split of ``num_samples`` (the reference trainer
-    and every rank build the same one, cache on or off)."""
-    return GlobalSampler(num_samples, cfg.data.batch_size, cfg.seed)
+    and every rank build the same one, cache on or off), the probe split left out."""
+    return GlobalSampler(num_samples, cfg.data.batch_size, cfg.seed,
+                         held_out=probe_indices(cfg, num_samples))
+
+
+PROBE_MAX_FRACTION = 0.1
+"""The probe split takes at most this share of the training split."""
+
+
+def probe_indices(cfg: RunConfig, num_samples: int) -> np.ndarray:
+    """The training samples held out as the probe under ``freeze.policy=probe``: the first
+    ``min(freeze.probe_samples, num_samples / 10)`` of a permutation drawn from the seed alone
+    (every epoch, rank and engine holds out the same ones), sorted; empty under other
+    policies."""
+    if cfg.freeze.policy != "probe":
+        return np.zeros(0, dtype=np.int64)
+    count = min(cfg.freeze.probe_samples, int(num_samples * PROBE_MAX_FRACTION))
+    draw = np.random.default_rng([cfg.seed, 2**20]).permutation(num_samples)[:count]
+    return np.sort(draw).astype(np.int64)
 
 
 def eval_shards(

@@ -105,6 +105,8 @@ class EpochRecord:
         memory: every rank's memory in the epoch, in rank order (:class:`RankMemory`).
         mean_frozen: frozen blocks averaged over the epoch's steps (differs from
             ``num_frozen`` when the prefix grew inside the epoch).
+        probe_time_s: wall time the probe of ``freeze.policy=probe`` took since the previous
+            record (its measure at an epoch's end counts in the next epoch's).
     """
 
     epoch: int
@@ -126,6 +128,7 @@ class EpochRecord:
     cache_cost_ratio: float = 0.0
     memory: tuple[RankMemory, ...] = ()
     mean_frozen: float | None = None
+    probe_time_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EpochRecord:

@@ -49,6 +49,7 @@ from pt_ray.runtime.memory import MemoryMeter
 from pt_ray.runtime.migrate import LayerStates
 from pt_ray.runtime.norms import GradNormMeter, merge_block_norms, norm_row
 from pt_ray.runtime.precision import LossScaler, resolve_precision
+from pt_ray.runtime.probe import probe_for
 from pt_ray.runtime.prefix import cached_prefix_for, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_share
 from pt_ray.runtime.records import EpochFigures, StepReports, count_correct, epoch_record
@@ -144,6 +145,7 @@ class ElasticWorker:
         # The model stays on the host, where the adapter built it, until the first plan says
         # which layers this rank holds: only those reach the device (:mod:`.owned`).
         self.memory = MemoryMeter(self.modules, self.device)
+        self.probe = probe_for(cfg, splits, self.comm)
 
     # The layout in force, as the rest of the engine (and tests) read it.
     plan = property(lambda self: self.layout.plan)
@@ -186,7 +188,10 @@ class ElasticWorker:
             if plan.generation != self.plan.generation:
                 midway = partial(self.fault.at, "migration", self._epoch)
                 self.fault.at("stall", self._epoch, action=stall)
-        return self.layout.enter(plan, restored, midway)
+        elapsed = self.layout.enter(plan, restored, midway)
+        if self.probe is not None:  # the plan's interval starts: keep what it tests
+            self.probe.start(self.layout, plan)
+        return elapsed
 
     def _open_epoch(self) -> float:
         """Enter the plan of the decision that opens the epoch (its norms went with the
@@ -201,7 +206,9 @@ class ElasticWorker:
     def _submit_norms(self, interval: int, norms: dict[int, float],
                       record: EpochRecord | None = None) -> None:
         """Hand interval ``interval``'s merged norms (and the epoch ``record`` that ends it)
-        to the controller, and start the next interval's."""
+        to the controller (with the interval's probe losses), and start the next interval's."""
+        if self.probe is not None:
+            norms = {**norms, **self.probe.measure(self.layout)}
         self.controller.submit_norms(interval, self.rank, norms, record)
         self.norms.reset()
 
@@ -269,7 +276,8 @@ class ElasticWorker:
             torch.cuda.synchronize(self.device)
         rec, norms = self._epoch_record(epoch, time.perf_counter() - t0, transition, loss_sum,
                                         steps, offset)
-        rec = replace(rec, mean_frozen=frozen_steps / max(steps, 1))
+        rec = replace(rec, mean_frozen=frozen_steps / max(steps, 1), probe_time_s=0.0 if
+                      self.probe is None else self.probe.take_seconds())
         self.next_epoch = epoch + 1
         # The epoch's last interval ends here; its norms (after the record, which the accuracy
         # guard reads) feed the decision that opens the next epoch.
@@ -352,14 +360,6 @@ class ElasticWorker:
     def layer_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameters of the layers this rank writes into checkpoints, CPU copies."""
         return self.state.layer_state_dicts()
-
-    def save_shard(self, directory) -> None:
-        """Write this rank's part of the checkpoint after the last epoch trained."""
-        self.state.save_shard(directory, self.next_epoch - 1)
-
-    def checkpoint_meta(self, epoch: int) -> dict:
-        """Run-level state after ``epoch`` (rank 0 writes it beside the shards)."""
-        return self.state.meta(epoch)
 
     def restore(self, directory, plan: Plan) -> int:
         """Load a checkpoint and enter ``plan`` (decided for the resumed run, possibly for a

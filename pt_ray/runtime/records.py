@@ -7,9 +7,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from pt_ray.data.base import DatasetSplits, finish_batch, gather_stored, gather_targets
+from pt_ray.data.base import (
+    DatasetSplits,
+    SampleDataset,
+    finish_batch,
+    gather_stored,
+    gather_targets,
+)
 from pt_ray.data.sampler import eval_shards
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.layout import Layout, to_device_batch
@@ -18,7 +25,7 @@ from pt_ray.runtime.norms import merge_block_norms, norm_row
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["EpochFigures", "StepReports", "count_correct", "epoch_record"]
+__all__ = ["EpochFigures", "StepReports", "count_correct", "epoch_record", "pipe_score"]
 
 
 @torch.no_grad()
@@ -29,16 +36,29 @@ def count_correct(layout: Layout, splits: DatasetSplits, batch_size: int,
     stages; 0 elsewhere: the sum over every rank is the whole set's) and the seconds it
     took."""
     t0 = time.perf_counter()
-    plan, topo, device, adapter = layout.plan, layout.topo, layout.device, layout.adapter
+    shards = eval_shards(len(splits.eval), batch_size, layout.topo.replica,
+                         layout.plan.num_replicas)
+    correct = pipe_score(layout, splits.eval, shards, comm,
+                         lambda out, target: layout.adapter.correct(out, target).sum())
+    return int(correct), time.perf_counter() - t0
+
+
+@torch.no_grad()
+def pipe_score(layout: Layout, dataset: SampleDataset, batches: list[np.ndarray], comm: Comm,
+               score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Pipe this replica's ``batches`` of ``dataset`` through its stages in eval mode and sum
+    ``score(output, target)`` over them on the last stage (0 elsewhere); the modes of the layout
+    are restored after."""
+    topo, device, adapter = layout.topo, layout.device, layout.adapter
     adapter.model.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     prev = topo.pipeline_ranks[topo.stage - 1] if not topo.is_first_stage else None
     nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
-    for idx in eval_shards(len(splits.eval), batch_size, topo.replica, plan.num_replicas):
+    for idx in batches:
         if topo.is_first_stage:
-            stored = to_device_batch(gather_stored(splits.eval, idx.tolist()), device)
-            inputs = finish_batch(splits.eval, stored).inputs
-            if layout.stage.state_inputs:  # the cache holds training samples only
+            stored = to_device_batch(gather_stored(dataset, idx.tolist()), device)
+            inputs = finish_batch(dataset, stored).inputs
+            if layout.stage.state_inputs:  # the cache is read by training steps only
                 inputs = layout.stage.run_prefix(*inputs)
             out = layout.stage(*inputs)
         else:
@@ -46,10 +66,9 @@ def count_correct(layout: Layout, splits: DatasetSplits, batch_size: int,
         if nxt is not None:
             comm.send(out, nxt)
         else:
-            target = gather_targets(splits.eval, idx.tolist()).to(device)
-            correct += adapter.correct(out, target).sum()
+            total += score(out, gather_targets(dataset, idx.tolist()).to(device)).double()
     layout.set_modes()
-    return int(correct), time.perf_counter() - t0
+    return total
 
 
 class EpochFigures:

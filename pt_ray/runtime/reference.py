@@ -29,12 +29,25 @@ import numpy as np
 import torch
 
 from pt_ray.core.config import RunConfig
-from pt_ray.data.base import Batch, DatasetSplits, set_epoch
+from pt_ray.data.base import (
+    Batch,
+    DatasetSplits,
+    SampleDataset,
+    finish_batch,
+    gather_stored,
+    set_epoch,
+)
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
-from pt_ray.data.sampler import accumulation_chunks, training_sampler
+from pt_ray.data.sampler import accumulation_chunks, probe_indices, training_sampler
 from pt_ray.control.state import decision_interval, policy_for, start_pipeline_length
-from pt_ray.core.freeze import FreezeGuard, FreezePolicy
+from pt_ray.core.freeze import (
+    PROBE_NOW,
+    PROBE_REVERTED,
+    PROBE_START,
+    FreezeGuard,
+    FreezePolicy,
+)
 from pt_ray.models.base import (
     ModelAdapter,
     forward_layers,
@@ -60,7 +73,7 @@ from pt_ray.runtime.optim import (
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["ReferenceTrainer", "evaluate"]
+__all__ = ["ReferenceProbe", "ReferenceTrainer", "evaluate"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +111,84 @@ def evaluate(
         for m, mode in modules.items():
             m.training = mode
     return correct / max(n, 1)
+
+
+class ReferenceProbe:
+    """The probe of ``freeze.policy=probe`` in one process, written apart from the engine's
+    (:class:`pt_ray.runtime.probe.Probe`), which it checks: the trained layers' parameters
+    copied at an interval's start, and at its end the mean probe loss as they are, with the
+    tested blocks put back, and with every trained layer put back.
+
+    Args:
+        adapter: the model.
+        dataset: the training split, which holds the probe samples.
+        indices: the probe samples (:func:`pt_ray.data.sampler.probe_indices`).
+        batch_size: samples per forward.
+        precision: the run's precision.
+    """
+
+    def __init__(self, adapter: ModelAdapter, dataset: SampleDataset, indices: np.ndarray,
+                 batch_size: int, precision: Precision) -> None:
+        self.adapter, self.dataset, self.indices = adapter, dataset, indices
+        self.batch_size, self.precision = batch_size, precision
+        self.kept: dict[str, list[torch.Tensor]] | None = None
+        self.tested: list[str] = []
+        self.start_frozen = 0
+
+    @classmethod
+    def for_run(cls, trainer: ReferenceTrainer) -> ReferenceProbe | None:
+        """The trainer's probe; None unless its policy probes."""
+        cfg, train = trainer.cfg, trainer.splits.train
+        held_out = probe_indices(cfg, len(train))
+        if not len(held_out):
+            return None
+        size = cfg.data.eval_batch_size or cfg.data.batch_size
+        return cls(trainer.adapter, train, held_out, size, trainer.precision)
+
+    def start(self, num_frozen: int, blocks: int) -> None:
+        """Keep every trained layer as it is now if the interval tests ``blocks`` blocks."""
+        self.kept, self.start_frozen = None, num_frozen
+        if blocks:
+            trained = [(n, m) for n, m in iter_layers(self.adapter)
+                       if n not in frozen_layer_names(num_frozen)]
+            self.kept = {n: [p.detach().clone() for p in m.parameters()] for n, m in trained}
+            self.tested = [f"block.{i}" for i in range(num_frozen, num_frozen + blocks)]
+
+    def measure(self, num_frozen: int) -> dict[int, float]:
+        """The three probe losses (empty when the interval tests nothing, or a rollback has
+        shrunk the frozen prefix since it began)."""
+        if self.kept is None or num_frozen != self.start_frozen:
+            return {}
+        modules = dict(iter_layers(self.adapter))
+        now = self._loss()
+        losses = {PROBE_NOW: now}
+        for key, names in ((PROBE_REVERTED, self.tested), (PROBE_START, list(self.kept))):
+            current = {n: [p.detach().clone() for p in modules[n].parameters()] for n in names}
+            with torch.no_grad():
+                for n in names:
+                    for p, k in zip(modules[n].parameters(), self.kept[n]):
+                        p.copy_(k)
+                losses[key] = self._loss()
+                for n in names:
+                    for p, k in zip(modules[n].parameters(), current[n]):
+                        p.copy_(k)
+        self.kept = None
+        return losses
+
+    @torch.no_grad()
+    def _loss(self) -> float:
+        modes = {m: m.training for m in self.adapter.model.modules()}
+        self.adapter.model.eval()
+        total = 0.0
+        for s in range(0, len(self.indices), self.batch_size):
+            idx = self.indices[s:s + self.batch_size].tolist()
+            batch = finish_batch(self.dataset, gather_stored(self.dataset, idx))
+            with self.precision.autocast():
+                out = forward_layers(self.adapter, batch.inputs)
+            total += float(self.adapter.loss(out, batch.target)) * len(idx)
+        for m, mode in modes.items():
+            m.training = mode
+        return total / len(self.indices)
 
 
 class ReferenceTrainer:
@@ -155,6 +246,7 @@ class ReferenceTrainer:
         self.decision = 0
         self.interval = decision_interval(cfg, self.sampler.steps_per_epoch)
         self.discarded: list[EpochRecord] = []
+        self.probe = ReferenceProbe.for_run(self)
         self._epoch = 0
         self._set_modes()
 
@@ -181,13 +273,14 @@ class ReferenceTrainer:
 
     def decide(self, decision: int) -> float:
         """Run the freeze policy at a decision point; returns the transition's wall time."""
-        t0 = time.perf_counter()
-        before = self.num_frozen
-        result = self.guard.hold(
-            self.policy.decide(decision, self.num_frozen, self.norms.mean()), before)
+        t0, before = time.perf_counter(), self.num_frozen
+        inputs = {**self.norms.mean(), **(self.probe.measure(before) if self.probe else {})}
+        result = self.guard.hold(self.policy.decide(decision, before, inputs), before)
         self.norms.reset()
         if result.num_frozen != before:
             self.freeze_to(result.num_frozen)
+        if self.probe is not None:  # the next interval tests what the policy asked
+            self.probe.start(self.num_frozen, 0 if self.guard.stopped else result.probe)
             logger.info(
                 "decision %d: frozen %d -> %d of %d blocks (%s)",
                 decision, before, self.num_frozen, self.adapter.num_layers, result.reason,

@@ -171,10 +171,10 @@ def _report_with_checkpoint(worker: ElasticWorker, controller: RayController, ra
     try:
         if rank == 0:  # answered once every rank's norms are in: the decision is made
             controller.send_checkpoint_state(nxt)
-        worker.save_shard(tmp)
+        worker.state.save_shard(tmp, worker.next_epoch - 1)
         if rank == 0:
             # The state saved is the one epoch `epoch` starts from.
-            write_meta(tmp, {**worker.checkpoint_meta(epoch - 1), "next_decision": nxt,
+            write_meta(tmp, {**worker.state.meta(epoch - 1), "next_decision": nxt,
                              "controller": controller.checkpoint_state(nxt)})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,123 @@
+"""The probe of ``freeze.policy=probe`` on the ranks: what each rank trains, kept as it was at an
+interval's start, and the probe loss three ways at its end.
+
+Torch runtime layer. The policy (:class:`pt_ray.core.freeze.ProbeFreeze`) names the leading
+active blocks to test in the plan of each decision (``Plan.probe_blocks``). When a rank enters
+such a plan it copies the parameters of every layer it trains; at the interval's end it pipes
+the probe split (training samples the sampler never draws:
+:func:`pt_ray.data.sampler.probe_indices`) through the replicas three times, in eval mode: as the
+parameters are, with the tested blocks put back as they were, and with every trained layer put
+back, then puts everything back as it is. Each replica scores its share; one all-reduce gives
+every rank the same mean losses, which travel to the controller with the interval's norms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from pt_ray.core.freeze import PROBE_NOW, PROBE_REVERTED, PROBE_START
+from pt_ray.core.plan import Plan
+from pt_ray.core.config import RunConfig
+from pt_ray.data.base import DatasetSplits, SampleDataset
+from pt_ray.data.sampler import probe_indices, split_for_replica
+from pt_ray.runtime.comm import Comm
+from pt_ray.runtime.layout import Layout
+from pt_ray.runtime.records import pipe_score
+
+__all__ = ["Probe", "probe_for"]
+
+logger = logging.getLogger(__name__)
+
+
+def probe_for(cfg: RunConfig, splits: DatasetSplits, comm: Comm) -> Probe | None:
+    """The run's probe (None unless ``freeze.policy=probe``), scoring eval-sized batches."""
+    held_out = probe_indices(cfg, len(splits.train))
+    if not len(held_out):
+        return None
+    return Probe(splits.train, held_out, cfg.data.eval_batch_size or cfg.data.batch_size, comm)
+
+
+class Probe:
+    """One rank's part of the probe.
+
+    Args:
+        dataset: the training split (the probe samples are in it).
+        indices: the probe samples' indices.
+        batch_size: the most samples a replica scores at once.
+        comm: the run's communication.
+    """
+
+    def __init__(self, dataset: SampleDataset, indices: np.ndarray, batch_size: int,
+                 comm: Comm) -> None:
+        self.dataset = dataset
+        self.indices = indices
+        self.batch_size = batch_size
+        self.comm = comm
+        self.kept: dict[str, list[torch.Tensor]] | None = None
+        self.tested: set[str] = set()
+        self.seconds = 0.0  # spent measuring since the last read (:meth:`take_seconds`)
+
+    def start(self, layout: Layout, plan: Plan) -> None:
+        """Enter ``plan``'s interval: keep what this rank trains as it is now when the plan
+        tests blocks, else nothing."""
+        self.kept = None
+        if not plan.probe_blocks or not len(self.indices):
+            return
+        names = layout.trained(plan.stage_layers(layout.topo.stage), plan)
+        self.kept = {n: [p.detach().clone() for p in layout.modules[n].parameters()]
+                     for n in names}
+        first = plan.num_frozen
+        self.tested = {f"block.{i}" for i in range(first, first + plan.probe_blocks)}
+
+    def measure(self, layout: Layout) -> dict[int, float]:
+        """The probe losses at the interval's end (:data:`~pt_ray.core.freeze.PROBE_NOW`,
+        ``PROBE_REVERTED``, ``PROBE_START``), the same on every rank; empty when the interval
+        tests nothing."""
+        if self.kept is None:
+            return {}
+        t0 = time.perf_counter()
+        now = self._loss(layout)
+        with self._put_back(layout, self.tested):
+            reverted = self._loss(layout)
+        with self._put_back(layout, set(self.kept)):
+            start = self._loss(layout)
+        self.kept = None
+        self.seconds += time.perf_counter() - t0
+        return {PROBE_NOW: now, PROBE_REVERTED: reverted, PROBE_START: start}
+
+    def take_seconds(self) -> float:
+        """Seconds spent measuring since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def _loss(self, layout: Layout) -> float:
+        """The mean loss over the probe, every replica scoring its share."""
+        mine = split_for_replica(self.indices, layout.topo.replica, layout.plan.num_replicas)
+        batches = [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+        total = pipe_score(layout, self.dataset, batches, self.comm,
+                           lambda out, target: layout.adapter.loss(out, target) * len(target))
+        # Replicas' last stages hold their shares: the sum over WORLD is the probe's.
+        return float(self.comm.all_reduce(total.reshape(1))[0]) / len(self.indices)
+
+    @contextlib.contextmanager
+    def _put_back(self, layout: Layout, names: set[str]) -> Iterator[None]:
+        """The kept parameters of ``names`` (those this rank holds) in place, then the current
+        ones again."""
+        held = [n for n in names if n in self.kept]
+        now = {n: [p.detach().clone() for p in layout.modules[n].parameters()] for n in held}
+        with torch.no_grad():
+            for n in held:
+                for p, k in zip(layout.modules[n].parameters(), self.kept[n]):
+                    p.copy_(k)
+            try:
+                yield
+            finally:
+                for n in held:
+                    for p, k in zip(layout.modules[n].parameters(), now[n]):
+                        p.copy_(k)
