@@ -11,7 +11,6 @@ from pt_ray.core.config import build_config
 from pt_ray.core.freeze import (
     PROBE_NOW,
     PROBE_REVERTED,
-    PROBE_START,
     ProbeFreeze,
     build_freeze_policy,
 )
@@ -21,65 +20,66 @@ from pt_ray.data.sampler import probe_indices, training_sampler
 pytestmark = pytest.mark.unit
 
 
-def probe(now: float, reverted: float, start: float) -> dict[int, float]:
-    return {0: 1.0, PROBE_NOW: now, PROBE_REVERTED: reverted, PROBE_START: start}
+def probe(now: float, reverted: float) -> dict[int, float]:
+    return {0: 1.0, PROBE_NOW: now, PROBE_REVERTED: reverted}
 
 
 def test_it_asks_for_alpha_of_the_active_blocks_from_the_decision_before_the_warmup_ends():
-    p = ProbeFreeze(num_layers=12, alpha=1 / 3, max_frozen=11, warmup=2)
+    p = ProbeFreeze(num_layers=12, alpha=1 / 3, max_frozen=11, warmup=2, decisions=16)
     assert p.decide(0, 0).probe == 0  # too early: a test now would end inside the warm-up
     first = p.decide(1, 0)
     assert (first.num_frozen, first.probe) == (0, 4)  # ceil(12 / 3)
+    assert p.decide(15, 0).probe == 0  # a test from the last decision would end after the run
 
 
-def test_blocks_freeze_when_reverting_them_gives_back_little_of_the_interval_gain():
-    p = ProbeFreeze(num_layers=12, alpha=1 / 3, max_frozen=11, warmup=1, threshold=0.1)
+def test_blocks_freeze_after_passing_twice_what_they_would_still_be_worth():
+    p = ProbeFreeze(num_layers=12, alpha=1 / 3, max_frozen=11, warmup=1, threshold=0.01,
+                    decisions=11)
     assert p.decide(0, 0).probe == 4
-    # The interval gained 0.5 on the probe; reverting blocks 0-3 gives back 0.04 (8%).
-    d = p.decide(1, 0, probe(now=1.0, reverted=1.04, start=1.5))
+    # Blocks 0-3 were worth 0.0005 of probe loss this interval; over the 10 decisions left,
+    # 0.005 <= 0.01 x 1.0: a pass, but the first; the same blocks are tested again.
+    d = p.decide(1, 0, probe(now=1.0, reverted=1.0005))
+    assert (d.num_frozen, d.probe) == (0, 4) and "passed 1 of 2" in d.reason
+    d = p.decide(2, 0, probe(now=1.0, reverted=1.0009))  # 0.0009 x 9 <= 0.01: frozen
     assert d.num_frozen == 4 and "frozen 0 -> 4" in d.reason
     assert d.probe == 3  # ceil(8 / 3) of the 8 still active
 
 
-def test_a_failed_test_halves_the_next_one_and_a_pass_restores_alpha_s_step():
-    p = ProbeFreeze(num_layers=12, alpha=1 / 3, max_frozen=11, warmup=1, threshold=0.1)
+def test_a_failed_test_halves_the_next_one_and_resets_the_passes():
+    p = ProbeFreeze(num_layers=12, alpha=1 / 3, max_frozen=11, warmup=1, threshold=0.01,
+                    decisions=21)
     p.decide(0, 0)
-    # Reverting blocks 0-3 gives back 0.2 of a 0.5 gain (40%): nothing freezes, test 2 next.
-    d = p.decide(1, 0, probe(now=1.0, reverted=1.2, start=1.5))
-    assert (d.num_frozen, d.probe) == (0, 2)
-    d = p.decide(2, 0, probe(now=0.9, reverted=0.95, start=1.0))  # 50%: test 1 next
+    d = p.decide(1, 0, probe(now=1.0, reverted=1.0001))  # 0.0001 x 20: a first pass
+    assert (d.num_frozen, d.probe, p.passes) == (0, 4, 1)
+    d = p.decide(2, 0, probe(now=1.0, reverted=1.02))  # 0.02 x 19 > 0.01: test 2 next
+    assert (d.num_frozen, d.probe, p.passes) == (0, 2, 0)
+    d = p.decide(3, 0, probe(now=1.0, reverted=1.01))  # fails again: test 1 next
     assert (d.num_frozen, d.probe) == (0, 1)
-    d = p.decide(3, 0, probe(now=0.9, reverted=0.9005, start=0.95))  # 1%: block 0 freezes
+    # Updates that made the probe worse count as worth nothing: two such passes freeze.
+    p.decide(4, 0, probe(now=1.0, reverted=0.99))
+    d = p.decide(5, 0, probe(now=1.0, reverted=0.999))
     assert (d.num_frozen, d.probe) == (1, 4)  # and alpha's step again: ceil(11 / 3)
 
 
-def test_on_a_plateau_reverting_must_cost_at_most_a_floor_of_the_loss():
-    p = ProbeFreeze(num_layers=6, alpha=0.5, max_frozen=5, warmup=1, threshold=0.1, floor=0.01)
-    p.decide(0, 0)
-    # No gain at all: allowed is 0.1 * 0.01 * 2.0 = 0.002 of give-back.
-    assert p.decide(1, 0, probe(now=2.0, reverted=2.001, start=1.99)).num_frozen == 3
-    assert p.decide(2, 3, probe(now=2.0, reverted=2.01, start=1.99)).num_frozen == 3
-
-
 def test_figures_from_another_prefix_or_none_at_all_freeze_nothing():
-    p = ProbeFreeze(num_layers=6, alpha=0.5, max_frozen=5, warmup=1)
+    p = ProbeFreeze(num_layers=6, alpha=0.5, max_frozen=5, warmup=1, window=1)
     p.decide(0, 0)
     assert p.decide(1, 0, {0: 1.0}).num_frozen == 0  # no probe figures
     # The test under way was of prefix 0; figures arriving at prefix 2 (a rollback) are stale.
-    assert p.decide(2, 2, probe(now=1.0, reverted=1.0, start=2.0)).num_frozen == 2
+    assert p.decide(2, 2, probe(now=1.0, reverted=1.0)).num_frozen == 2
 
 
 def test_the_cap_bounds_the_test_and_the_state_survives_a_checkpoint():
-    p = ProbeFreeze(num_layers=6, alpha=1.0, max_frozen=2, warmup=1)
+    p = ProbeFreeze(num_layers=6, alpha=1.0, max_frozen=2, warmup=1, window=1)
     assert p.decide(0, 0).probe == 2
-    d = p.decide(1, 0, probe(now=1.0, reverted=1.0, start=2.0))
+    d = p.decide(1, 0, probe(now=1.0, reverted=1.0))
     assert (d.num_frozen, d.probe) == (2, 0)  # at the cap: nothing left to test
     q = ProbeFreeze(num_layers=6, alpha=1.0, max_frozen=5, warmup=1)
     q.decide(0, 0)
-    q.decide(1, 0, probe(now=1.0, reverted=1.5, start=2.0))
+    q.decide(1, 0, probe(now=1.0, reverted=1.0))  # a first pass of blocks 0-4
     copy = ProbeFreeze(num_layers=6, alpha=1.0, max_frozen=5, warmup=1)
     copy.load_state_dict(q.state_dict())
-    assert (copy.asked, copy.span) == (q.asked, q.span) == ([0, 2], 2)  # 5 failed: test 2
+    assert (copy.asked, copy.span, copy.passes) == (q.asked, q.span, q.passes) == ([0, 5], 5, 1)
     with pytest.raises(ValueError, match="freeze.probe_threshold=1.5"):
         build_freeze_policy("probe", num_layers=6, alpha=0.5, threshold=1.5)
 
@@ -121,8 +121,9 @@ def test_the_controller_carries_each_test_in_the_plan_of_its_interval():
     for r in range(2):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
     assert state.plan_for(0).probe_blocks == 2  # the warm-up is one decision
-    state.submit_norms(0, probe(now=1.0, reverted=1.01, start=1.5))
-    assert (state.plan_for(1).num_frozen, state.plan_for(1).probe_blocks) == (2, 1)
-    state.submit_norms(1, probe(now=1.0, reverted=1.3, start=1.5))
+    for d in range(2):  # two passes of blocks 0-1 (worth nothing at all)
+        state.submit_norms(d, probe(now=1.0, reverted=1.0))
     assert (state.plan_for(2).num_frozen, state.plan_for(2).probe_blocks) == (2, 1)
-    assert state.plan_for(2).generation == state.plan_for(1).generation  # no transition
+    state.submit_norms(2, probe(now=1.0, reverted=1.3))  # block 2 still worth a lot
+    assert (state.plan_for(3).num_frozen, state.plan_for(3).probe_blocks) == (2, 1)
+    assert state.plan_for(3).generation == state.plan_for(2).generation  # no transition

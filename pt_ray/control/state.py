@@ -474,7 +474,8 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
     and converted to decisions (``ceil(warmup_epochs * decisions per epoch)``). With the
     pipeline pinned at K stages (``pipeline.elastic=false``) at most L - K blocks freeze."""
     f = cfg.freeze
-    warmup = math.ceil(cfg.warmup_epochs * decisions_per_epoch(cfg, steps_per_epoch) - 1e-9)
+    per_epoch = decisions_per_epoch(cfg, steps_per_epoch)
+    warmup = math.ceil(cfg.warmup_epochs * per_epoch - 1e-9)
     max_frozen = f.max_frozen
     if pinned_length is not None and f.policy != "none":
         cap = num_layers - pinned_length
@@ -488,6 +489,7 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
         f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=max_frozen, warmup=warmup,
         ratio=f.converge_ratio, window=f.converge_window, plateau=f.plateau,
         tolerance=f.settle_tolerance, threshold=f.probe_threshold,
+        decisions=per_epoch * cfg.epochs,
     )
 
 

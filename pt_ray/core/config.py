@@ -215,8 +215,9 @@ class FreezeConfig(_Section):
 
     policy: Literal["settled", "probe", "converged", "paper", "schedule", "none"] = "settled"
     """``probe``: test the next leading blocks on a probe split the run never trains on
-    (``probe_samples``) and freeze them when reverting their updates since the previous
-    decision gives back at most ``probe_threshold`` of what the interval gained there;
+    (``probe_samples``) and freeze them when what their updates since the previous decision
+    were worth there, projected over the decisions left, is at most ``probe_threshold`` of the
+    probe loss;
     ``settled``: freeze a leading block once it has converged (as ``converged``) or, after
     the training loss has reached a plateau (``plateau``), once its gradient norm has stopped
     rising against its own level (``settle_tolerance``), at most alpha of the active blocks per
@@ -252,9 +253,10 @@ class FreezeConfig(_Section):
     probe_samples: int = Field(default=512, gt=0)
     """``probe`` only: training samples held out as the probe (a fixed draw from the seed,
     never trained on; at most a tenth of the training split)."""
-    probe_threshold: float = Field(default=0.1, ge=0, lt=1)
-    """``probe`` only: the largest share of an interval's gain in probe loss that the tested
-    blocks' updates may carry for them to freeze."""
+    probe_threshold: float = Field(default=0.01, ge=0, lt=1)
+    """``probe`` only: the tested blocks freeze when what their updates of one interval were
+    worth on the probe, times the decisions left in the run, is at most this share of the
+    probe loss."""
     guard_points: float | None = Field(default=1.0, ge=0)
     """Accuracy guard: when the first evaluation after a freeze is more than this many points
     (100 x the metric) below the last one before it, freezing stops for the rest of the run;

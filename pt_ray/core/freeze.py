@@ -9,8 +9,8 @@ Policies:
 * ``probe``: asks data the run never trains on. At each decision it names the leading active
   blocks to test over the next interval (``ceil(alpha * active)`` of them, halved after each
   test they fail); at the interval's end the workers measure the probe loss with those blocks'
-  updates since the interval's start reverted, and the blocks freeze when reverting undoes at
-  most ``threshold`` of what the whole interval gained on the probe.
+  updates since the interval's start reverted, and the blocks freeze when what those updates
+  were worth, projected over the decisions left, is at most ``threshold`` of the probe loss.
 * ``settled`` (the default): ``converged``'s test, or, once the run's training loss has stopped
   falling (a plateau), a block whose gradient norm has stopped rising against its own level; the
   frozen prefix grows over the leading blocks that pass, by at most ``ceil(alpha * active)``
@@ -60,7 +60,6 @@ __all__ = [
     "POLICIES",
     "PROBE_NOW",
     "PROBE_REVERTED",
-    "PROBE_START",
     "PaperFreeze",
     "ProbeFreeze",
     "ScheduleFreeze",
@@ -80,8 +79,6 @@ PROBE_NOW = -2
 """Inputs key: the interval's probe loss with the parameters as they are at its end."""
 PROBE_REVERTED = -3
 """Inputs key: the probe loss with the probed blocks as they were at the interval's start."""
-PROBE_START = -4
-"""Inputs key: the probe loss with every trained layer as it was at the interval's start."""
 
 
 @dataclass(frozen=True)
@@ -407,32 +404,40 @@ class SettledFreeze(ConvergedFreeze):
 
 @dataclass
 class ProbeFreeze(_Base):
-    """Freezes the leading blocks whose recent updates no longer help on held-out data.
+    """Freezes the leading blocks whose updates are no longer worth their cost on held-out data.
 
     A gradient norm says whether a block still moves, not whether its moves still help. At each
     decision this policy asks the workers to test the next ``c`` leading active blocks over the
-    coming interval: they keep every trained layer's parameters at its start and, at its end,
-    measure the loss on a probe split the run never trains on three ways (:data:`PROBE_NOW`,
-    :data:`PROBE_REVERTED`, :data:`PROBE_START`). With
+    coming interval: they keep those blocks' parameters at its start and, at its end, measure the
+    loss on a probe split the run never trains on as the parameters are (:data:`PROBE_NOW`,
+    ``L``) and with the ``c`` blocks put back as they were (:data:`PROBE_REVERTED`). What the
+    blocks' updates of one interval were worth on the probe is ``U = L_reverted - L``.
 
-    1. progress ``P = L_start - L_now``: what the interval gained on the probe;
-    2. undone ``U = L_reverted - L_now``: what reverting the ``c`` blocks' updates gives back;
+    1. Projected over the decisions left in the run, ``U x left`` is what freezing the blocks
+       now would give up if every later interval's updates were worth as much (they are worth
+       less as the learning rate decays, so the projection errs towards training on).
+    2. The blocks pass when ``U x left <= threshold x L``: what they would still add is at
+       most ``threshold`` of the probe loss. They freeze when they pass ``window`` tests in a
+       row (the probe is a few hundred samples: one interval's ``U`` is noisy, and a block
+       whose updates happened to hurt the probe once is not done learning).
+    3. ``c`` starts at ``ceil(alpha * active)`` and halves (to 1) after each failed test, so a
+       block still learning behind a settled one does not hold the settled one back; a pass
+       resets it. Tests start one decision before the warm-up ends.
 
-    the blocks freeze when ``U <= threshold * max(P, floor * L_now)``: their updates carried at
-    most ``threshold`` of the interval's gain (on a plateau, where ``P`` is about 0, reverting
-    them must cost at most ``threshold * floor`` of the loss). ``c`` starts at
-    ``ceil(alpha * active)`` and halves (to 1) after each failed test, so a block still
-    learning behind a settled one does not hold the settled one back; a pass resets it. Tests
-    start one decision before the warm-up ends, so the first decision after it can freeze.
+    Measured against the whole interval's gain instead (``U`` over what every trained layer's
+    updates gained), the rule froze two of six blocks a tenth into fine-tuning the digits: the
+    fresh head gains most early, so every block's share looks small, and the run lost 5 points.
 
     Args (beyond the common ones):
-        threshold: the largest share of the interval's probe gain the candidates' updates may
-            carry.
-        floor: the smallest progress credited, as a fraction of the probe loss.
+        threshold: the share of the probe loss the tested blocks may still be worth.
+        decisions: decision points in the whole run (for the decisions left).
+        window: tests in a row the same blocks must pass.
     """
 
-    threshold: float = 0.1
-    floor: float = 0.01
+    threshold: float = 0.01
+    decisions: int = 16
+    window: int = 2
+    passes: int = 0  # tests in a row the blocks under test have passed
     name: Literal["probe"] = "probe"
     asked: list[int] | None = None  # [num_frozen, blocks] under test this interval
     span: int | None = None  # blocks to test after a failed test (None: alpha's step)
@@ -442,23 +447,27 @@ class ProbeFreeze(_Base):
         if not 0 <= self.threshold < 1:
             raise ValueError(f"freeze.probe_threshold={self.threshold} must lie in [0, 1)")
 
-    def _verdict(self, num_frozen: int, inputs: Mapping[int, float]) -> tuple[int, str]:
+    def _verdict(self, decision: int, num_frozen: int, inputs: Mapping[int, float]
+                 ) -> tuple[int, str]:
         """The frozen prefix after this interval's test, and why."""
-        now, back, start = (inputs.get(k) for k in (PROBE_NOW, PROBE_REVERTED, PROBE_START))
+        now, back = inputs.get(PROBE_NOW), inputs.get(PROBE_REVERTED)
         asked = self.asked
-        if asked is None or asked[0] != num_frozen or None in (now, back, start):
+        if asked is None or asked[0] != num_frozen or now is None or back is None:
             return num_frozen, "no probe this interval"
-        blocks = asked[1]
-        undone, gained = back - now, start - now
-        allowed = self.threshold * max(gained, self.floor * now)
-        figures = (f"probe loss {now:.4g}; the interval gained {gained:+.4g}, reverting blocks "
-                   f"{num_frozen}..{num_frozen + blocks - 1} gives back {undone:+.4g} "
+        blocks, left = asked[1], max(self.decisions - decision, 1)
+        worth, allowed = (back - now) * left, self.threshold * now
+        figures = (f"probe loss {now:.4g}; blocks {num_frozen}..{num_frozen + blocks - 1} were "
+                   f"worth {back - now:+.4g} this interval, {worth:+.4g} over the {left} left "
                    f"(allowed {allowed:.4g})")
-        if undone <= allowed:
-            self.span = None
-            return num_frozen + blocks, figures
-        self.span = max(1, blocks // 2)
-        return num_frozen, figures
+        if worth > allowed:
+            self.span, self.passes = max(1, blocks // 2), 0
+            return num_frozen, figures
+        self.passes += 1
+        if self.passes < self.window:
+            self.span = blocks  # the same blocks again
+            return num_frozen, f"{figures}; passed {self.passes} of {self.window}"
+        self.span, self.passes = None, 0
+        return num_frozen + blocks, figures
 
     def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
         active = self.num_layers - num_frozen
@@ -466,25 +475,26 @@ class ProbeFreeze(_Base):
         if decision < self.warmup:
             new, reason = num_frozen, f"warm-up (decision {decision})"
         else:
-            passed, reason = self._verdict(num_frozen, grad_norms or {})
+            passed, reason = self._verdict(decision, num_frozen, grad_norms or {})
             new = self._clamp(decision, num_frozen, min(bound, passed))
             if new > num_frozen:
                 reason = f"{reason}; frozen {num_frozen} -> {new} (cap {self.max_frozen})"
         step = self.span or _ceil(self.alpha * (self.num_layers - new))
         blocks = max(0, min(step, self.max_frozen - new))
-        if decision + 1 < self.warmup:
-            blocks = 0
+        if decision + 1 < self.warmup or decision + 1 >= self.decisions:
+            blocks = 0  # a test would end inside the warm-up, or after the last step
         self.asked = [new, blocks] if blocks else None
         return FreezeDecision(new, bound, reason, probe=blocks)
 
     def state_dict(self) -> dict[str, Any]:
         """The test under way and the span after a failed one, for checkpoints."""
-        return {"asked": self.asked, "span": self.span}
+        return {"asked": self.asked, "span": self.span, "passes": self.passes}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.asked = None if state["asked"] is None else [int(x) for x in state["asked"]]
         self.span = None if state["span"] is None else int(state["span"])
+        self.passes = int(state["passes"])
 
 
 POLICIES = ("settled", "probe", "converged", "paper", "schedule", "none")
@@ -502,7 +512,8 @@ def build_freeze_policy(
     window: int = 2,
     plateau: float = 0.01,
     tolerance: float = 0.1,
-    threshold: float = 0.1,
+    threshold: float = 0.01,
+    decisions: int = 16,
 ) -> SettledFreeze | ProbeFreeze | ConvergedFreeze | PaperFreeze | ScheduleFreeze | NoFreeze:
     """Build a policy from plain arguments (``num_layers`` comes from the model).
 
@@ -518,6 +529,7 @@ def build_freeze_policy(
         plateau: ``settled`` only: see :class:`SettledFreeze`.
         tolerance: ``settled`` only: see :class:`SettledFreeze`.
         threshold: ``probe`` only: see :class:`ProbeFreeze`.
+        decisions: ``probe`` only: decision points in the whole run.
     """
     cap = num_layers - 1 if max_frozen is None else max_frozen
     if cap > num_layers:
@@ -534,7 +546,7 @@ def build_freeze_policy(
                              ratio=ratio, window=window, plateau=plateau, tolerance=tolerance)
     if policy == "probe":
         return ProbeFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup,
-                           threshold=threshold)
+                           threshold=threshold, decisions=decisions, window=window)
     if policy == "converged":
         return ConvergedFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap,
                                warmup=warmup, ratio=ratio, window=window)

@@ -1,14 +1,14 @@
-"""The probe of ``freeze.policy=probe`` on the ranks: what each rank trains, kept as it was at an
-interval's start, and the probe loss three ways at its end.
+"""The probe of ``freeze.policy=probe`` on the ranks: the tested blocks kept as they were at an
+interval's start, and the probe loss two ways at its end.
 
 Torch runtime layer. The policy (:class:`pt_ray.core.freeze.ProbeFreeze`) names the leading
 active blocks to test in the plan of each decision (``Plan.probe_blocks``). When a rank enters
-such a plan it copies the parameters of every layer it trains; at the interval's end it pipes
-the probe split (training samples the sampler never draws:
-:func:`pt_ray.data.sampler.probe_indices`) through the replicas three times, in eval mode: as the
-parameters are, with the tested blocks put back as they were, and with every trained layer put
-back, then puts everything back as it is. Each replica scores its share; one all-reduce gives
-every rank the same mean losses, which travel to the controller with the interval's norms.
+such a plan it copies the parameters of the tested blocks it holds; at the interval's end it
+pipes the probe split (training samples the sampler never draws:
+:func:`pt_ray.data.sampler.probe_indices`) through the replicas twice, in eval mode: as the
+parameters are, and with the tested blocks put back as they were, then puts them back as they
+are. Each replica scores its share; one all-reduce gives every rank the same mean losses, which
+travel to the controller with the interval's norms.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from pt_ray.core.freeze import PROBE_NOW, PROBE_REVERTED, PROBE_START
+from pt_ray.core.freeze import PROBE_NOW, PROBE_REVERTED
 from pt_ray.core.plan import Plan
 from pt_ray.core.config import RunConfig
 from pt_ray.data.base import DatasetSplits, SampleDataset
@@ -60,36 +60,31 @@ class Probe:
         self.batch_size = batch_size
         self.comm = comm
         self.kept: dict[str, list[torch.Tensor]] | None = None
-        self.tested: set[str] = set()
         self.seconds = 0.0  # spent measuring since the last read (:meth:`take_seconds`)
 
     def start(self, layout: Layout, plan: Plan) -> None:
-        """Enter ``plan``'s interval: keep what this rank trains as it is now when the plan
-        tests blocks, else nothing."""
+        """Enter ``plan``'s interval: keep the tested blocks this rank holds as they are now
+        (none when the plan tests nothing; every rank still measures)."""
         self.kept = None
         if not plan.probe_blocks or not len(self.indices):
             return
-        names = layout.trained(plan.stage_layers(layout.topo.stage), plan)
+        first, held = plan.num_frozen, set(plan.stage_layers(layout.topo.stage))
+        tested = {f"block.{i}" for i in range(first, first + plan.probe_blocks)}
         self.kept = {n: [p.detach().clone() for p in layout.modules[n].parameters()]
-                     for n in names}
-        first = plan.num_frozen
-        self.tested = {f"block.{i}" for i in range(first, first + plan.probe_blocks)}
+                     for n in tested & held}
 
     def measure(self, layout: Layout) -> dict[int, float]:
-        """The probe losses at the interval's end (:data:`~pt_ray.core.freeze.PROBE_NOW`,
-        ``PROBE_REVERTED``, ``PROBE_START``), the same on every rank; empty when the interval
-        tests nothing."""
+        """The probe losses at the interval's end (:data:`~pt_ray.core.freeze.PROBE_NOW` and
+        ``PROBE_REVERTED``), the same on every rank; empty when the interval tests nothing."""
         if self.kept is None:
             return {}
         t0 = time.perf_counter()
         now = self._loss(layout)
-        with self._put_back(layout, self.tested):
+        with self._put_back(layout):
             reverted = self._loss(layout)
-        with self._put_back(layout, set(self.kept)):
-            start = self._loss(layout)
         self.kept = None
         self.seconds += time.perf_counter() - t0
-        return {PROBE_NOW: now, PROBE_REVERTED: reverted, PROBE_START: start}
+        return {PROBE_NOW: now, PROBE_REVERTED: reverted}
 
     def take_seconds(self) -> float:
         """Seconds spent measuring since the last call."""
@@ -106,10 +101,9 @@ class Probe:
         return float(self.comm.all_reduce(total.reshape(1))[0]) / len(self.indices)
 
     @contextlib.contextmanager
-    def _put_back(self, layout: Layout, names: set[str]) -> Iterator[None]:
-        """The kept parameters of ``names`` (those this rank holds) in place, then the current
-        ones again."""
-        held = [n for n in names if n in self.kept]
+    def _put_back(self, layout: Layout) -> Iterator[None]:
+        """The kept parameters in place, then the current ones again."""
+        held = list(self.kept)
         now = {n: [p.detach().clone() for p in layout.modules[n].parameters()] for n in held}
         with torch.no_grad():
             for n in held:

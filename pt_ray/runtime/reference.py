@@ -44,7 +44,6 @@ from pt_ray.control.state import decision_interval, policy_for, start_pipeline_l
 from pt_ray.core.freeze import (
     PROBE_NOW,
     PROBE_REVERTED,
-    PROBE_START,
     FreezeGuard,
     FreezePolicy,
 )
@@ -115,9 +114,9 @@ def evaluate(
 
 class ReferenceProbe:
     """The probe of ``freeze.policy=probe`` in one process, written apart from the engine's
-    (:class:`pt_ray.runtime.probe.Probe`), which it checks: the trained layers' parameters
-    copied at an interval's start, and at its end the mean probe loss as they are, with the
-    tested blocks put back, and with every trained layer put back.
+    (:class:`pt_ray.runtime.probe.Probe`), which it checks: the tested blocks' parameters
+    copied at an interval's start, and at its end the mean probe loss as they are and with the
+    tested blocks put back.
 
     Args:
         adapter: the model.
@@ -132,7 +131,6 @@ class ReferenceProbe:
         self.adapter, self.dataset, self.indices = adapter, dataset, indices
         self.batch_size, self.precision = batch_size, precision
         self.kept: dict[str, list[torch.Tensor]] | None = None
-        self.tested: list[str] = []
         self.start_frozen = 0
 
     @classmethod
@@ -146,34 +144,31 @@ class ReferenceProbe:
         return cls(trainer.adapter, train, held_out, size, trainer.precision)
 
     def start(self, num_frozen: int, blocks: int) -> None:
-        """Keep every trained layer as it is now if the interval tests ``blocks`` blocks."""
+        """Keep the ``blocks`` leading active blocks as they are now (none: no test)."""
         self.kept, self.start_frozen = None, num_frozen
         if blocks:
-            trained = [(n, m) for n, m in iter_layers(self.adapter)
-                       if n not in frozen_layer_names(num_frozen)]
-            self.kept = {n: [p.detach().clone() for p in m.parameters()] for n, m in trained}
-            self.tested = [f"block.{i}" for i in range(num_frozen, num_frozen + blocks)]
+            self.kept = {f"block.{i}": [p.detach().clone() for p in self.adapter.blocks[i]
+                                        .parameters()]
+                         for i in range(num_frozen, num_frozen + blocks)}
 
     def measure(self, num_frozen: int) -> dict[int, float]:
-        """The three probe losses (empty when the interval tests nothing, or a rollback has
+        """The two probe losses (empty when the interval tests nothing, or a rollback has
         shrunk the frozen prefix since it began)."""
         if self.kept is None or num_frozen != self.start_frozen:
             return {}
         modules = dict(iter_layers(self.adapter))
         now = self._loss()
-        losses = {PROBE_NOW: now}
-        for key, names in ((PROBE_REVERTED, self.tested), (PROBE_START, list(self.kept))):
-            current = {n: [p.detach().clone() for p in modules[n].parameters()] for n in names}
-            with torch.no_grad():
-                for n in names:
-                    for p, k in zip(modules[n].parameters(), self.kept[n]):
-                        p.copy_(k)
-                losses[key] = self._loss()
-                for n in names:
-                    for p, k in zip(modules[n].parameters(), current[n]):
-                        p.copy_(k)
+        current = {n: [p.detach().clone() for p in modules[n].parameters()] for n in self.kept}
+        with torch.no_grad():
+            for n, kept in self.kept.items():
+                for p, k in zip(modules[n].parameters(), kept):
+                    p.copy_(k)
+            reverted = self._loss()
+            for n, now_params in current.items():
+                for p, k in zip(modules[n].parameters(), now_params):
+                    p.copy_(k)
         self.kept = None
-        return losses
+        return {PROBE_NOW: now, PROBE_REVERTED: reverted}
 
     @torch.no_grad()
     def _loss(self) -> float:
