@@ -77,6 +77,7 @@ ARM_OVERRIDES: dict[str, list[str]] = {
     "pt-ray": [],
     "cache": ["cache.mode=on"],
     "dp": ["freeze.policy=none", "pipeline.pipeline_length=1"],
+    "none": ["freeze.policy=none"],
     "peer": [],
 }
 """What each arm adds to the config (and ``--set``); the arms run in this order. The peer reads
@@ -223,13 +224,14 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
         if arm == "peer":
             cfg = resolve_config(config, ovr)
             result = run_peer(cfg, run_dir, sample_order=peer_order)
-            timeline, restarts, startup = result.timeline, 0, result.startup
+            timeline, restarts, startup, trials = result.timeline, 0, result.startup, []
         else:
             result = fit(config, overrides=ovr, output_dir=run_dir, on_epoch=lambda rec: None)
             timeline = [asdict(r) if not isinstance(r, dict) else dict(r)
                         for r in result.timeline]
             cfg, restarts = result.config, result.restarts
-            startup = json.loads((run_dir / "summary.json").read_text()).get("startup", {})
+            summary = json.loads((run_dir / "summary.json").read_text())
+            startup, trials = summary.get("startup", {}), summary.get("start_trials", [])
     outer = time.perf_counter() - t0
     end = time.time()
     epoch_sum = sum(r["epoch_time_s"] for r in timeline)
@@ -249,6 +251,7 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
         "overhead_split": time_split(start, end, watcher.times(), timeline,
                                      checkpoint_epochs(cfg)),
         "startup": startup,
+        "start_trials": trials,
         "metric_name": result.metric_name,
         "final_accuracy": result.final_eval_metric,
         "timeline": timeline,

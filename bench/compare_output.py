@@ -144,6 +144,25 @@ def peer_lines(p: dict[str, Any]) -> list[str]:
     return lines
 
 
+def none_lines(n: dict[str, Any]) -> list[str]:
+    """pt-ray against itself without freezing, with each arm's first plan."""
+    lines = [
+        "pt-ray against the same run without freezing (none):",
+        f"  training time, none / pt-ray             {n['speedup_vs_none']:.2f}x   per repeat "
+        f"{', '.join(f'{x:.2f}' for x in n['speedup_vs_none_per_repeat'])}   (never slower: "
+        f"{_aim(n['never_slower'])})",
+        f"  wall time (whole call), none / pt-ray    {n['wall_ratio_vs_none']:.2f}x",
+        f"  accuracy, pt-ray - none                  {n['accuracy_diff_vs_none_points']:+.2f} "
+        "points"]
+    for arm, plans in n["first_plans"].items():
+        for p in plans:
+            trials = "; ".join(f"{t['layout']} predicted {t['predicted_rate']:.1f}, measured "
+                               f"{t['measured_rate']:.1f}" for t in p["start_trials"])
+            lines.append(f"  {arm:<7} first plan {p['layout']}: {p['epoch_0_samples_per_s']:.1f} "
+                         f"samples/s in epoch 0" + (f" (start trials: {trials})" if trials else ""))
+    return lines
+
+
 def breakdown_lines(data: dict[str, Any]) -> list[str]:
     """Each arm's wall time, part by part, beside its accuracy."""
     parts, acc = data["summary"]["breakdown"], data["metric_name"]
@@ -246,6 +265,8 @@ def table(data: dict[str, Any]) -> str:
     ]
     if "vs_peer" in s:
         lines += [*peer_lines(s["vs_peer"]), ""]
+    if "vs_none" in s:
+        lines += [*none_lines(s["vs_none"]), ""]
     lines += breakdown_lines(data)
     if "speedup" in s:
         lines += ["", *baseline_lines(s)]

@@ -34,9 +34,10 @@ ARM_LABELS = {
     "pt-ray": "freeze + AutoPipe + AutoDP",
     "cache": "freeze + AutoPipe + AutoDP + AutoCache",
     "dp": "pt-ray, no freezing, K=1",
+    "none": "pt-ray, no freezing",
     "peer": "peer: Ray Train DDP",
 }
-NO_FREEZE_ARMS = ("baseline", "dp", "peer")
+NO_FREEZE_ARMS = ("baseline", "dp", "none", "peer")
 """Arms that never freeze (no ideal bound of their own)."""
 
 
@@ -286,6 +287,8 @@ def summarise(runs: dict[str, list[dict]], cache_mode: str = "off") -> dict[str,
     s["breakdown"] = breakdown(runs)
     if "peer" in runs:
         s["vs_peer"] = against_peer(runs, s["breakdown"])
+    if "none" in runs and "pt-ray" in runs:
+        s["vs_none"] = against_none(runs)
     s["ablation"] = ablation(runs, cache_mode)
     if "cache" in runs:
         s["prefix_cost"] = prefix_cost(runs["cache"])
@@ -293,6 +296,32 @@ def summarise(runs: dict[str, list[dict]], cache_mode: str = "off") -> dict[str,
         s["note"] = "; ".join(filter(None, [
             s.get("note"), "a run restarted from a checkpoint; its times include the restart"]))
     return s
+
+
+def first_plan(run: dict) -> dict[str, Any]:
+    """The layout a run started on and its first epoch's rate, with what the start trials
+    predicted and measured (empty when the prediction alone chose)."""
+    first = run["timeline"][0]
+    return {"layout": f"K {first['pipeline_length']} R {first['num_replicas']} "
+                      f"M {first['num_microbatches']}",
+            "epoch_0_samples_per_s": first["throughput_samples_per_s"],
+            "start_trials": run.get("start_trials", [])}
+
+
+def against_none(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """pt-ray against the same run without freezing (``none``): training and wall-time ratios
+    (paired by repeat; below 1 the freezing run was slower), accuracy, and each arm's first
+    plan. The issue's rule: a run with freezing is never slower than the run without it."""
+    none, pt = runs["none"], runs["pt-ray"]
+    train, wall = _paired(none, pt, "train_time_s"), _paired(none, pt, "fit_call_s")
+    return {"speedup_vs_none": _med(train), "speedup_vs_none_per_repeat": train,
+            "wall_ratio_vs_none": _med(wall),
+            "accuracy_diff_vs_none_points": 100.0 * (
+                _med([p["final_accuracy"] for p in pt])
+                - _med([n["final_accuracy"] for n in none])),
+            "never_slower": min(train) >= 1.0,
+            "first_plans": {"pt-ray": [first_plan(r) for r in pt],
+                            "none": [first_plan(r) for r in none]}}
 
 
 def against_baseline(runs: dict[str, list[dict]]) -> dict[str, Any]:

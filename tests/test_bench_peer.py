@@ -137,7 +137,8 @@ def _run(train, call, acc, evals, gaps, startup=8.0, teardown=2.0, **extra):
     """A compare.py record with the fields the report reads (times in s)."""
     timeline = [{"epoch": e, "epoch_time_s": train / len(evals), "transition_time_s": 0.0,
                  "eval_time_s": ev, "num_frozen": 0, "num_layers": 4, "pipeline_length": 1,
-                 "num_replicas": 2, "num_microbatches": 1} for e, ev in enumerate(evals)]
+                 "num_replicas": 2, "num_microbatches": 1,
+                 "throughput_samples_per_s": 100.0} for e, ev in enumerate(evals)]
     return {"train_time_s": train, "fit_call_s": call, "wall_time_s": call,
             "eval_time_sum_s": sum(evals), "final_accuracy": acc, "restarts": 0,
             "timeline": timeline,
@@ -286,3 +287,23 @@ def test_the_peer_on_pt_rays_order_gets_pt_rays_batches(tmp_path):
 def test_the_peer_refuses_an_unknown_sample_order(tmp_path):
     with pytest.raises(ValueError, match=r"sample_order='shuffled'.*distributed, pt-ray"):
         peer_ddp.run_peer(tiny_config(tmp_path), tmp_path / "peer", sample_order="shuffled")
+
+
+@pytest.mark.unit
+def test_against_none_pairs_repeats_and_shows_each_first_plan():
+    import compare_output
+    import compare_report
+
+    trial = {"layout": "K 1 R 2 M 1", "predicted_rate": 50.4, "measured_rate": 40.0}
+    runs = {"pt-ray": [_run(20.0, 40.0, 0.90, [1.0], [], start_trials=[trial]),
+                       _run(30.0, 50.0, 0.90, [1.0], [])],
+            "none": [_run(25.0, 44.0, 0.91, [1.0], []), _run(27.0, 46.0, 0.91, [1.0], [])]}
+    n = compare_report.against_none(runs)
+    # Repeat 1 froze and ran faster (1.25x); repeat 2 ran slower (0.9x): not never slower.
+    assert n["speedup_vs_none_per_repeat"] == pytest.approx([1.25, 0.9])
+    assert not n["never_slower"]
+    assert n["accuracy_diff_vs_none_points"] == pytest.approx(-1.0)
+    first = n["first_plans"]["pt-ray"][0]
+    assert first["layout"] == "K 1 R 2 M 1" and first["start_trials"] == [trial]
+    text = "\n".join(compare_output.none_lines(n))
+    assert "never slower: not met" in text and "predicted 50.4, measured 40.0" in text
