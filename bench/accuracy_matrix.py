@@ -40,7 +40,9 @@ policy are the default job's as shipped. Workloads:
                   against 80.96)
   wordnet-senses  the pretrained MiniLM-L6 on WordNet's noun glosses classed by lexicographer
                   file (the Debian package wordnet-base; 26 classes): 10,000 of the 80,115
-                  training glosses, the fixed 2,000 dev glosses, 32 tokens, 3 epochs
+                  training glosses, the fixed 2,000 dev glosses, 32 tokens, 3 epochs: 77.00,
+                  82.10, 83.35% by epoch (seed 0, 2026-12-06; the largest class is 14.9% of
+                  dev), about 350 s of CPU an epoch
 
 The fine-tuning workloads take the shape from their checkpoints (``model.weights`` over the
 default job's ViT fields: ``pt_ray.core.config.layer_config``). Cells that freeze take less
