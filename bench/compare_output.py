@@ -27,9 +27,10 @@ STYLES = {"baseline": ("tab:gray", "paper's baseline (no freeze, K=2)"),
           "pt-ray": ("tab:blue", "pt-ray (freezing)"),
           "cache": ("tab:purple", "pt-ray + cache"),
           "dp": ("tab:green", "pt-ray, no freeze, K=1"),
+          "none": ("tab:cyan", "pt-ray, no freeze"),
           "peer": ("tab:red", "peer: Ray Train DDP")}
 SHORT = {"baseline": "base", "freeze-only": "freeze only", "pt-ray": "pt-ray",
-         "cache": "+ cache", "dp": "dp (K=1)", "peer": "peer"}
+         "cache": "+ cache", "dp": "dp (K=1)", "none": "none", "peer": "peer"}
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
