@@ -9,19 +9,12 @@ import pytest
 from pt_ray.control.state import build_control_state
 from pt_ray.core.config import build_config
 from pt_ray.core.plan import CostTable, LayerCost, Plan, PlanSettings
-from pt_ray.costs.costmodel import HardwareProfile, step_time
+from pt_ray.costs.costmodel import step_time
 from pt_ray.costs.costplan import CostModelPlanner, close_first_layouts
 from pt_ray.runtime.profile import _with_fixed_parts
+from test_costmodel import IDEAL  # only compute costs: free, instant links, no overheads
 
 pytestmark = pytest.mark.unit
-
-# Only compute costs: free, instant links and no overheads of its own.
-IDEAL = HardwareProfile(
-    name="ideal", device_flops=1e12, efficiency=1.0, device_memory_bytes=1e12,
-    memory_bandwidth=1e30, devices_per_node=8, intra_node_bandwidth=1e30, intra_node_latency=0.0,
-    inter_node_bandwidth=1e30, inter_node_latency=0.0, per_microbatch_overhead_s=0.0,
-    cache_bandwidth=1e30, group_setup_s=0.0,
-)
 
 
 def table(fwd: float, bwd: float, samples: int, blocks: int = 4, embed_bwd: float = 0.0,
