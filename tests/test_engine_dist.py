@@ -10,6 +10,7 @@ from dist_utils import run_ranks
 from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
+from pt_ray.data.sampler import training_sampler
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
@@ -498,8 +499,9 @@ def _recording(policy, seen):
 def train_rank_probing(rank, world, cfg):
     splits = build_dataset(cfg.data, seed=cfg.seed)
     adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
-                                  len(splits.train) // cfg.data.batch_size)
+    # Steps as the sampler counts them: the probe split is never drawn.
+    steps = training_sampler(cfg, len(splits.train)).steps_per_epoch
+    control = build_control_state(cfg, adapter.num_layers, world, steps)
     seen = []
     _recording(control.policy, seen)
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,

@@ -233,7 +233,7 @@ class ElasticWorker:
 
     def steps_in_epoch(self) -> int:
         """Optimizer steps in an epoch under the current plan (for progress reporting)."""
-        return len(self.splits.train) // max(self._replicas_batch(), 1)
+        return self.sampler.num_samples // max(self._replicas_batch(), 1)
 
     def train_epoch(self, epoch: int) -> EpochRecord:
         """Train one epoch (entering the plans of its decision points) and evaluate."""

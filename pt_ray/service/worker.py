@@ -33,6 +33,7 @@ import torch._dynamo  # noqa: F401
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
 from pt_ray.data.registry import build_dataset
+from pt_ray.data.sampler import training_sampler
 from pt_ray.runtime.faults import FaultSwitch, Faults, stall
 from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
@@ -206,7 +207,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s,
                                checkpoints_after=cfg.checkpoints_after)
     device = _device(cfg)
-    controller.setup(adapter.num_layers, world, len(splits.train) // cfg.data.batch_size,
+    # Steps as the run's sampler counts them (a probe split it never draws is left out).
+    steps = training_sampler(cfg, len(splits.train)).steps_per_epoch
+    controller.setup(adapter.num_layers, world, steps,
                      adapter.metric_name, _hardware(cfg, device, rank),
                      splits.train.deterministic_transform)
     store = RayStore(config["cache"]) if config.get("cache") else None
