@@ -33,7 +33,6 @@ import torch._dynamo  # noqa: F401
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
 from pt_ray.data.registry import build_dataset
-from pt_ray.data.sampler import training_sampler
 from pt_ray.runtime.faults import FaultSwitch, Faults, stall
 from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
@@ -207,11 +206,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s,
                                checkpoints_after=cfg.checkpoints_after)
     device = _device(cfg)
-    # Steps as the run's sampler counts them (a probe split it never draws is left out).
-    steps = training_sampler(cfg, len(splits.train)).steps_per_epoch
-    controller.setup(adapter.num_layers, world, steps,
-                     adapter.metric_name, _hardware(cfg, device, rank),
-                     splits.train.deterministic_transform)
     store = RayStore(config["cache"]) if config.get("cache") else None
     # Rank 0 shows each epoch's progress (plain lines: a Ray worker's stdout is no terminal).
     progress = RunProgress(
@@ -231,6 +225,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
                            device=device, store=store,
                            hooks=EngineHooks(on_step=on_step, on_step_report=steps, fault=fault))
+    controller.setup(adapter.num_layers, world, worker.sampler.steps_per_epoch,
+                     adapter.metric_name, _hardware(cfg, device, rank),
+                     splits.train.deterministic_transform)
 
     first_epoch = _start_or_restore(worker, controller, config.get("resume_from"), rank, world)
     if rank == 0:
