@@ -30,11 +30,17 @@ def test_resolve_accepts_none_dict_path_and_runconfig(tmp_path):
          r"pipeline\.pipeline_length=8 exceeds the model's 6 blocks"),
     ],
 )
-def test_bad_config_fails_before_any_worker_starts(tmp_path, overrides, message):
+def test_bad_config_fails_before_any_worker_starts(tmp_path, overrides, message, monkeypatch):
+    """Whatever ran before (a session cluster may be up), the bad field is refused before Ray is
+    asked for anything and before the run folder exists."""
     import ray
 
+    asked = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: asked.append("ray.init"))
+    was_up = ray.is_initialized()
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=message):
         fit(None, overrides=overrides, output_dir=out)
-    assert not ray.is_initialized()
+    assert asked == []
+    assert ray.is_initialized() == was_up
     assert not out.exists()

@@ -117,8 +117,12 @@ def test_ray_run_reports_steps_while_it_runs_and_prints_pt_ray_lines_only(tmp_pa
     capfd.readouterr()
 
     result = fit(step_config(tmp_path / "ray"))
-    time.sleep(2)  # Ray forwards the workers' output to this process every few 100 ms
-    out = "".join(capfd.readouterr())
+    # Ray forwards the workers' output to this process every few 100 ms: wait for the last
+    # epoch's line rather than a fixed time.
+    out, deadline = "", time.monotonic() + 60
+    while "epoch   3/3" not in out and time.monotonic() < deadline:
+        out += "".join(capfd.readouterr())
+        time.sleep(0.05)
 
     logdir = result.run_dir / "tensorboard"
     assert len(list(logdir.glob("events.out.tfevents.*.steps"))) == 1
