@@ -63,3 +63,31 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
             raise KeyboardInterrupt
     assert target.read_text() == '{"epochs": 1}'
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_a_replace_is_trusted_only_after_the_bytes_and_the_folder_entry_are_on_disk(tmp_path,
+                                                                                   monkeypatch):
+    """The order a power loss needs: the new file's bytes are fsynced before the rename (else
+    the rename can land before the data: an empty summary), and the folder after it (else the
+    rename itself can be lost)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "summary.json"
+    write_text_atomically(target, '{"epochs": 2}')
+    assert target.read_text() == '{"epochs": 2}'
+    assert len(events) == 3
+    (kind0, first), (kind1, moved), (kind2, folder) = events
+    assert kind0 == "fsync" and first.startswith(str(tmp_path / ".summary.")) and ".tmp" in first
+    assert (kind1, moved) == ("replace", str(target))
+    assert (kind2, folder) == ("fsync", str(tmp_path))

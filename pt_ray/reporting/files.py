@@ -1,11 +1,11 @@
 """The run folder's own files: written whole or not at all, and held by one live run.
 
 ``summary.json``, ``config.yaml`` and ``report.png`` are written to a temporary file beside
-their place and moved over it (``os.replace``, atomic on one file system), so a reader or a
-crash never meets half a file. A run holds ``.pt-ray.lock`` in its folder while it runs (an
-``fcntl`` lock, which the system releases when the process ends, however it ends), so a second
-run given the same folder stops at once and names the holder instead of writing over the first
-one's checkpoints and summary.
+their place, synced to the disk and moved over it (``os.replace``, atomic on one file system;
+the folder is synced after), so a reader, a crash or a power loss never meets half a file. A
+run holds ``.pt-ray.lock`` in its folder while it runs (an ``fcntl`` lock, which the system
+releases when the process ends, however it ends), so a second run given the same folder stops
+at once and names the holder instead of writing over the first one's checkpoints and summary.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pt_ray.core.config import ConfigError
 
-__all__ = ["LOCK_FILE", "RunFolderBusy", "hold_run_folder", "replaced_atomically",
+__all__ = ["LOCK_FILE", "RunFolderBusy", "hold_run_folder", "replaced_atomically", "sync_file",
            "write_text_atomically"]
 
 LOCK_FILE = ".pt-ray.lock"
@@ -34,15 +34,30 @@ class RunFolderBusy(ConfigError):
 @contextmanager
 def replaced_atomically(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` (same suffix) to write to; moved over ``path`` when the
-    block ends without error, removed otherwise."""
+    block ends without error, removed otherwise.
+
+    The temporary file's bytes reach the disk (``fsync``) before the rename, and the folder's
+    entry after it, so after a power loss ``path`` holds the old file or the whole new one,
+    never a renamed empty file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
         yield tmp
+        sync_file(tmp)
         os.replace(tmp, path)
+        sync_file(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def sync_file(path: str | Path) -> None:
+    """``fsync`` a file's bytes, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_text_atomically(path: str | Path, text: str) -> Path:
