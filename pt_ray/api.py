@@ -280,7 +280,9 @@ def fit(
     with hold_run_folder(run_dir):
         from pt_ray.reporting.tracking import open_tracker
 
-        tracker = open_tracker(cfg, run_dir, str(resumed.checkpoint) if resumed else None)
+        tracker = open_tracker(cfg.logging, run_dir,
+                               str(resumed.checkpoint) if resumed else None, name=cfg.name,
+                               params=cfg.model_dump(mode="json"))
         try:
             result = _train(cfg, choice, run_dir, splits, adapter, built_from, preflight_s,
                             worker_env, on_epoch, resumed)
@@ -316,8 +318,8 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
     t0 = built_from if cfg.engine == "reference" else time.perf_counter()
     if cfg.engine == "reference":
         assert choice is not None
-        run = _train_reference(choice.apply(cfg), choice.device, splits, adapter, run_dir,
-                               start, on_epoch)
+        run = _train_reference(cfg.model_copy(update=choice.config_update(cfg.pipeline)),
+                               choice.device, splits, adapter, run_dir, start, on_epoch)
     else:
         del splits, adapter  # the workers build their own
         run = _train_on_ray(cfg, choice, run_dir, worker_env, start, on_epoch, resumed,
@@ -382,7 +384,8 @@ def _early_device_choice(cfg: RunConfig) -> DeviceChoice | None:
         return cluster_devices(cfg) if starts_embedded() else None
     from pt_ray.core.devices import choose_devices
 
-    choice = choose_devices(cfg, cluster_gpus=0)
+    choice = choose_devices(cfg.pipeline, cluster_gpus=0, engine=cfg.engine,
+                            precision=cfg.precision)
     logger.info(choice.describe())
     return choice
 

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray import tune
 
-from pt_ray.core.config import ConfigError, RunConfig
+from pt_ray.core.config import ConfigError, LoggingConfig, PipelineConfig, RunConfig
 from pt_ray.core.devices import choose_devices
 from pt_ray.api import resolve_config
 from pt_ray.reporting.logs import setup_logging
@@ -136,17 +136,19 @@ def sweep(
 
     # One trial must fit: 2 workers x 1 CPU + the trial's sliver is 3 logical CPUs on a 2-core
     # machine (the sliver only waits).
-    started = ensure_ray(base, min_cpus=_need(base, use_gpu=False)["CPU"])
+    started = ensure_ray(base, min_cpus=_need(base.pipeline, base.engine, use_gpu=False)["CPU"])
     try:
-        k, why = _size(base, len(variants), max_concurrent)
+        k, why = _size(base.pipeline, len(variants), max_concurrent, engine=base.engine,
+                       precision=base.precision)
         logger.info("sweep of %d trials (%s) in %s: %d at a time (%s)", len(variants),
                     ", ".join(v.name for v in variants), sweep_dir, k, why)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         (sweep_dir / _SPEC).write_text(json.dumps(_spec(variants, configs), indent=2))
-        parent, configs = _nest_in_mlflow(base, sweep_dir, configs)
+        parent, configs = _nest_in_mlflow(base.logging, sweep_dir, configs, name=base.name,
+                                          params=base.model_dump(mode="json"))
         load_before = os.getloadavg()
         t0 = time.perf_counter()
-        results = _run_tune(sweep_dir, exp_dir, variants, configs, base, k, restoring,
+        results = _run_tune(sweep_dir, exp_dir, variants, configs, base.engine, k, restoring,
                             worker_env or {})
         wall = time.perf_counter() - t0
     finally:
@@ -154,10 +156,7 @@ def sweep(
             ray.shutdown()
 
     rows = analyse(_rows(variants, results))
-    footer = [f"{len(variants)} trials, {k} at a time ({why}); sweep wall time {wall:.1f} s; "
-              f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after on "
-              f"{os.cpu_count()} CPUs"]
-    table = format_sweep_table(rows, footer)
+    table = _table(rows, k, why, wall, load_before)
     (sweep_dir / "sweep.txt").write_text(table + "\n")
     write_sweep_json(
         sweep_dir / "sweep.json", rows, sweep_dir=str(sweep_dir), alphas=alphas,
@@ -204,15 +203,26 @@ def _plan(config, alphas, grid, overrides, baseline
     return variants, base, configs
 
 
-def _nest_in_mlflow(base: RunConfig, sweep_dir: Path, configs: dict[str, dict[str, Any]]):
-    """With ``logging.mlflow``: the sweep's parent run, and the trials' configs pointed at its
-    store as its children (after the spec is written, so a resumed sweep still matches it)."""
-    parent = open_sweep_run(base, sweep_dir)
+def _nest_in_mlflow(settings: LoggingConfig, sweep_dir: Path, configs: dict[str, dict[str, Any]],
+                    *, name: str, params: Mapping[str, Any]):
+    """With ``logging.mlflow``: the sweep's parent run (named after the base config's ``name``,
+    its ``params`` logged), and the trials' configs pointed at its store as its children (after
+    the spec is written, so a resumed sweep still matches it)."""
+    parent = open_sweep_run(settings, sweep_dir, name=name, params=params)
     if parent is None:
         return None, configs
     tracker, overrides = parent
     return tracker, {name: resolve_config(c, overrides).model_dump(mode="json")
                      for name, c in configs.items()}
+
+
+def _table(rows: Sequence[TrialRow], k: int, why: str, wall: float,
+           load_before: Sequence[float]) -> str:
+    """The sweep's text table, with a footer on its concurrency, wall time and machine load."""
+    footer = [f"{len(rows)} trials, {k} at a time ({why}); sweep wall time {wall:.1f} s; "
+              f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after on "
+              f"{os.cpu_count()} CPUs"]
+    return format_sweep_table(rows, footer)
 
 
 def _spec(variants: Sequence[Variant], configs: Mapping[str, Any]) -> dict[str, Any]:
@@ -258,24 +268,26 @@ def _preflight(configs: Iterable[Mapping[str, Any]]) -> None:
             preflight(build_config(c))
 
 
-def _need(cfg: RunConfig, use_gpu: bool) -> dict[str, float]:
-    p = cfg.pipeline
+def _need(p: PipelineConfig, engine: str, use_gpu: bool) -> dict[str, float]:
     return trial_need(trial_cpus=TRIAL_CPUS, num_workers=p.num_workers,
                       cpus_per_worker=p.cpus_per_worker, gpus_per_worker=1.0 if use_gpu else 0.0,
-                      engine=cfg.engine)
+                      engine=engine)
 
 
-def _size(cfg: RunConfig, num_trials: int, requested: int | None) -> tuple[int, str]:
+def _size(p: PipelineConfig, num_trials: int, requested: int | None, *, engine: str,
+          precision: str) -> tuple[int, str]:
+    """Trials at once for runs of pipeline ``p`` on this cluster, and why."""
     # Each trial's run makes the same choice (pt_ray.service.trainer); pipeline.use_gpu=true
     # without the GPUs fails here, before any trial starts.
-    need = _need(cfg, choose_devices(cfg, ray.cluster_resources().get("GPU", 0.0)).use_gpu)
+    choice = choose_devices(p, ray.cluster_resources().get("GPU", 0.0), engine=engine,
+                            precision=precision)
+    need = _need(p, engine, choice.use_gpu)
     free = ray.available_resources()
     try:
         return trial_concurrency(free, need, num_trials, requested)
     except ClusterTooSmallError as err:
-        p = cfg.pipeline
         cpw = fitting_cpus_per_worker(free.get("CPU", 0.0), TRIAL_CPUS, p.num_workers)
-        if cfg.engine != "ray" or cpw <= 0 or cpw >= p.cpus_per_worker:
+        if engine != "ray" or cpw <= 0 or cpw >= p.cpus_per_worker:
             raise
         raise ClusterTooSmallError(
             f"{err}; here --set pipeline.cpus_per_worker={cpw:g} would fit one trial") from None
@@ -289,13 +301,13 @@ def _trial_name(trial) -> str:
 
 
 def _run_tune(sweep_dir: Path, exp_dir: Path, variants: Sequence[Variant],
-              configs: Mapping[str, dict[str, Any]], base: RunConfig, k: int, restoring: bool,
+              configs: Mapping[str, dict[str, Any]], engine: str, k: int, restoring: bool,
               worker_env: dict[str, str]):
     runs = {v.name: {"config": configs[v.name], "run_dir": str(sweep_dir / v.name),
                      "worker_env": worker_env, "reuse": restoring, "cwd": os.getcwd()}
             for v in variants}
     cpus = trial_need(trial_cpus=TRIAL_CPUS, num_workers=0, cpus_per_worker=0.0,
-                      engine=base.engine)["CPU"]
+                      engine=engine)["CPU"]
     trainable = tune.with_resources(tune.with_parameters(_run_trial, runs=runs), {"CPU": cpus})
     if restoring:
         logger.info("resuming the sweep in %s (Tune restore; errored trials run again)", exp_dir)

@@ -4,7 +4,7 @@ the driver, before any worker starts."""
 import pytest
 
 from pt_ray.core.config import ConfigError, RunConfig, build_config
-from pt_ray.core.devices import CPU_BACKEND, GPU_BACKEND, choose_devices
+from pt_ray.core.devices import CPU_BACKEND, GPU_BACKEND, DeviceChoice, choose_devices
 
 pytestmark = pytest.mark.unit
 
@@ -21,6 +21,17 @@ def cfg(**fields) -> RunConfig:
     return build_config(data)
 
 
+def choice_for(run: RunConfig, cluster_gpus: float) -> DeviceChoice:
+    """The choice for ``run`` from the fields the entry passes (its pipeline, engine and
+    precision)."""
+    return choose_devices(run.pipeline, cluster_gpus, engine=run.engine, precision=run.precision)
+
+
+def applied(run: RunConfig, choice: DeviceChoice) -> RunConfig:
+    """``run`` with the choice written in, as the entry writes it."""
+    return run.model_copy(update=choice.config_update(run.pipeline))
+
+
 @pytest.mark.parametrize(
     ("use_gpu", "gpus", "device", "precision", "line"),
     [
@@ -35,7 +46,7 @@ def cfg(**fields) -> RunConfig:
     ],
 )
 def test_use_gpu_and_auto_precision_follow_the_cluster(use_gpu, gpus, device, precision, line):
-    choice = choose_devices(cfg(**{"pipeline.use_gpu": use_gpu}), cluster_gpus=gpus)
+    choice = choice_for(cfg(**{"pipeline.use_gpu": use_gpu}), cluster_gpus=gpus)
 
     assert (choice.device, choice.precision, choice.describe()) == (device, precision, line)
     assert choice.backend == (GPU_BACKEND if device == "cuda" else CPU_BACKEND)
@@ -44,14 +55,14 @@ def test_use_gpu_and_auto_precision_follow_the_cluster(use_gpu, gpus, device, pr
 
 def test_explicit_precision_is_kept_on_either_device():
     for gpus, device in ((0, "cpu"), (2, "cuda")):
-        choice = choose_devices(cfg(precision="bf16"), cluster_gpus=gpus)
+        choice = choice_for(cfg(precision="bf16"), cluster_gpus=gpus)
         assert (choice.device, choice.precision) == (device, "bf16")
-    assert choose_devices(cfg(precision="fp32"), cluster_gpus=2).precision == "fp32"
+    assert choice_for(cfg(precision="fp32"), cluster_gpus=2).precision == "fp32"
 
 
 def test_use_gpu_true_without_gpus_is_one_line_naming_the_field_and_fix():
     with pytest.raises(ConfigError) as err:
-        choose_devices(cfg(**{"pipeline.use_gpu": True}), cluster_gpus=0)
+        choice_for(cfg(**{"pipeline.use_gpu": True}), cluster_gpus=0)
 
     assert str(err.value) == (
         "pipeline.use_gpu=true needs 2 GPUs (one per worker) but the cluster has 0; "
@@ -62,27 +73,27 @@ def test_elastic_runs_need_gpus_for_min_workers_only():
     elastic = cfg(**{"pipeline.use_gpu": True, "pipeline.num_workers": 4,
                      "pipeline.min_workers": 2})
 
-    choice = choose_devices(elastic, cluster_gpus=2)
+    choice = choice_for(elastic, cluster_gpus=2)
 
     assert choice.describe() == "devices: 2-4 GPU workers (NCCL + gloo), precision bf16"
     with pytest.raises(ConfigError, match=r"needs 2 GPUs \(one per worker, "
                                           r"pipeline.min_workers=2\) but the cluster has 1;"):
-        choose_devices(elastic, cluster_gpus=1)
+        choice_for(elastic, cluster_gpus=1)
 
 
 def test_reference_engine_is_one_cpu_process_at_fp32():
-    choice = choose_devices(cfg(engine="reference"), cluster_gpus=8)
+    choice = choice_for(cfg(engine="reference"), cluster_gpus=8)
     assert (choice.device, choice.precision) == ("cpu", "fp32")
     assert choice.describe() == "devices: 1 CPU process (engine=reference), precision fp32"
     with pytest.raises(ConfigError, match=r"^pipeline.use_gpu=true: engine=reference trains in "
                                           r"one CPU process; set pipeline.use_gpu=auto or false"):
-        choose_devices(cfg(engine="reference", **{"pipeline.use_gpu": True}), cluster_gpus=8)
+        choice_for(cfg(engine="reference", **{"pipeline.use_gpu": True}), cluster_gpus=8)
 
 
-def test_apply_records_the_concrete_choice_and_round_trips():
+def test_the_choice_records_its_concrete_fields_and_round_trips():
     base = cfg(epochs=3)
 
-    resolved = choose_devices(base, cluster_gpus=4).apply(base)
+    resolved = applied(base, choice_for(base, cluster_gpus=4))
 
     assert (resolved.precision, resolved.pipeline.use_gpu) == ("bf16", True)
     assert (base.precision, base.pipeline.use_gpu) == ("auto", "auto")  # frozen, untouched
@@ -96,8 +107,8 @@ def test_sweep_reuse_matches_a_recorded_resolution_of_auto():
     from pt_ray.core.cachesize import resolve_cache_sizes
 
     wanted = cfg(epochs=2).model_dump(mode="json")
-    applied = choose_devices(cfg(epochs=2), 0).apply(cfg(epochs=2))
-    recorded = resolve_cache_sizes(applied, [2**32]).model_dump(mode="json")
+    resolved = applied(cfg(epochs=2), choice_for(cfg(epochs=2), 0))
+    recorded = resolve_cache_sizes(resolved, [2**32]).model_dump(mode="json")
 
     assert recorded["cache"]["worker_memo_bytes"] == 2**31
     assert _same_config(recorded, wanted)

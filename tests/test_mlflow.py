@@ -45,10 +45,10 @@ def test_flatten_and_the_local_store():
     assert flatten({"freeze": {"alpha": 0.5, "policy": "settled"}, "epochs": 3}) == {
         "freeze.alpha": "0.5", "freeze.policy": "settled", "epochs": "3"}
     cfg = build_config({**TINY, "name": "x"})
-    assert tracking_uri(cfg, __import__("pathlib").Path("/runs/x")) == \
+    assert tracking_uri(cfg.logging, __import__("pathlib").Path("/runs/x")) == \
         "sqlite:////runs/x/mlflow/mlflow.db"
     remote = build_config({**TINY, "name": "x", "logging": {"mlflow": "http://mlflow:5000"}})
-    assert tracking_uri(remote, __import__("pathlib").Path("/runs/x")) == "http://mlflow:5000"
+    assert tracking_uri(remote.logging, __import__("pathlib").Path("/runs/x")) == "http://mlflow:5000"
 
 
 @pytest.mark.unit

@@ -1,16 +1,17 @@
 """The run's devices and precision: ``pipeline.use_gpu`` and ``precision`` resolved against the
 cluster on the driver, before any worker starts.
 
-Pure module (stdlib and the config). The service counts the cluster's GPUs and carries the
-decision out; this module only decides, so the rule is tested without a cluster.
+Pure module (stdlib and the config's ``pipeline`` section). The service counts the cluster's
+GPUs and carries the decision out (the entry writes :meth:`DeviceChoice.config_update` into
+the run's config); this module only decides, so the rule is tested without a cluster.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pt_ray.core.config import ConfigError, RunConfig
+from pt_ray.core.config import ConfigError, PipelineConfig
 
 __all__ = ["CPU_BACKEND", "GPU_BACKEND", "DeviceChoice", "choose_devices", "resolve_precision"]
 
@@ -55,11 +56,13 @@ class DeviceChoice:
         return f"devices: {where}, precision {self.precision}" + (
             f"; {self.note}" if self.note else "")
 
-    def apply(self, cfg: RunConfig) -> RunConfig:
-        """``cfg`` with ``pipeline.use_gpu`` and ``precision`` replaced by the concrete choice
-        (what the workers run with and ``config.yaml`` records)."""
-        pipeline = cfg.pipeline.model_copy(update={"use_gpu": self.use_gpu})
-        return cfg.model_copy(update={"pipeline": pipeline, "precision": self.precision})
+    def config_update(self, pipeline: PipelineConfig) -> dict[str, Any]:
+        """The run config's fields this choice fixes, as a ``model_copy`` update: ``pipeline``
+        with ``use_gpu`` replaced by the concrete choice, and ``precision`` (what the workers
+        run with and ``config.yaml`` records). The entry applies it:
+        ``cfg.model_copy(update=choice.config_update(cfg.pipeline))``."""
+        return {"pipeline": pipeline.model_copy(update={"use_gpu": self.use_gpu}),
+                "precision": self.precision}
 
 
 def resolve_precision(precision: str, device: str) -> str:
@@ -69,8 +72,10 @@ def resolve_precision(precision: str, device: str) -> str:
     return "bf16" if device == "cuda" else "fp32"
 
 
-def choose_devices(cfg: RunConfig, cluster_gpus: float) -> DeviceChoice:
-    """Decide CPU or GPU workers for ``cfg`` on a cluster with ``cluster_gpus`` GPUs.
+def choose_devices(pipeline: PipelineConfig, cluster_gpus: float, *, engine: str,
+                   precision: str) -> DeviceChoice:
+    """Decide CPU or GPU workers for a run (its ``pipeline`` section, ``engine`` and
+    ``precision``) on a cluster with ``cluster_gpus`` GPUs.
 
     1. A run needs one GPU per worker, counted at ``pipeline.min_workers`` when set (an elastic
        run may start with that many), else ``pipeline.num_workers``.
@@ -83,12 +88,12 @@ def choose_devices(cfg: RunConfig, cluster_gpus: float) -> DeviceChoice:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster lacks the GPUs, or the reference
             engine was asked for GPUs; one line with the numbers and the fix.
     """
-    p = cfg.pipeline
-    if cfg.engine == "reference":
+    p = pipeline
+    if engine == "reference":
         if p.use_gpu is True:
             raise ConfigError("pipeline.use_gpu=true: engine=reference trains in one CPU "
                               "process; set pipeline.use_gpu=auto or false, or engine=ray")
-        return DeviceChoice("cpu", resolve_precision(cfg.precision, "cpu"), CPU_BACKEND, "1",
+        return DeviceChoice("cpu", resolve_precision(precision, "cpu"), CPU_BACKEND, "1",
                             engine="reference")
     need = p.min_workers or p.num_workers
     workers = str(p.num_workers) if p.min_workers is None else f"{p.min_workers}-{p.num_workers}"
@@ -104,10 +109,8 @@ def choose_devices(cfg: RunConfig, cluster_gpus: float) -> DeviceChoice:
         note = ("no GPUs in the cluster" if cluster_gpus == 0 else
                 f"the cluster has {_gpus(cluster_gpus)}, {need} needed (one per worker)")
     else:
-        device = "cuda"
-        return DeviceChoice(device, resolve_precision(cfg.precision, device), GPU_BACKEND,
-                            workers)
-    return DeviceChoice("cpu", resolve_precision(cfg.precision, "cpu"), CPU_BACKEND, workers,
+        return DeviceChoice("cuda", resolve_precision(precision, "cuda"), GPU_BACKEND, workers)
+    return DeviceChoice("cpu", resolve_precision(precision, "cpu"), CPU_BACKEND, workers,
                         note)
 
 

@@ -12,6 +12,9 @@ model. Worker-group restarts inside the run are the ``restarts`` metric; each re
 
 As Ray's own MLflow integration does, this uses MLflow's client API with an explicit tracking
 URI, not the process-global active run, so concurrent runs in one driver do not mix.
+
+The functions here read the ``logging`` section only; the entry passes the run's name and its
+resolved config (as JSON-able values, logged as the MLflow run's parameters) beside it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pt_ray.core.config import ConfigError, RunConfig
+from pt_ray.core.config import ConfigError, LoggingConfig
 from pt_ray.reporting.steplog import STEP_JOURNAL
 
 __all__ = ["RUN_FILE", "Tracker", "flatten", "open_sweep_run", "open_tracker", "tracking_uri"]
@@ -40,10 +43,10 @@ STEP_METRICS = {"train_loss": "step/loss", "samples_per_s": "step/samples_per_s"
                 "lr": "step/lr", "num_frozen": "step/num_frozen"}
 
 
-def tracking_uri(cfg: RunConfig, run_dir: Path) -> str:
+def tracking_uri(settings: LoggingConfig, run_dir: Path) -> str:
     """The tracking URI ``logging.mlflow`` names (``true``/``local``: SQLite in the run
     folder)."""
-    value = cfg.logging.mlflow
+    value = settings.mlflow
     if value is True or value == "local":
         return f"sqlite:///{(Path(run_dir) / 'mlflow' / 'mlflow.db').resolve()}"
     return str(value)
@@ -62,13 +65,14 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _client_for(cfg: RunConfig, folder: Path) -> tuple[Any, str]:
-    """MLflow's client for ``cfg``'s tracking URI (a local store's folder made), and the URI.
+def _client_for(settings: LoggingConfig, folder: Path) -> tuple[Any, str]:
+    """MLflow's client for ``settings``' tracking URI (a local store's folder made), and the
+    URI.
 
     Raises:
         ConfigError: MLflow is not installed.
     """
-    uri = tracking_uri(cfg, folder)
+    uri = tracking_uri(settings, folder)
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
@@ -145,16 +149,18 @@ def _steps(run_dir: Path) -> Iterator[dict[str, Any]]:
             continue
 
 
-def open_tracker(cfg: RunConfig, run_dir: Path, resumed_from: str | None) -> Tracker | None:
-    """Open the run's MLflow run (None when ``logging.mlflow`` is off): a new one, or the one
-    ``mlflow.json`` names when the run folder already has one (a resume), recorded as such.
+def open_tracker(settings: LoggingConfig, run_dir: Path, resumed_from: str | None, *,
+                 name: str, params: Mapping[str, Any]) -> Tracker | None:
+    """Open the run's MLflow run (None when ``logging.mlflow`` is off): a new one named
+    ``name`` with ``params`` (the run's config as JSON-able values) as its parameters, or the
+    one ``mlflow.json`` names when the run folder already has one (a resume), recorded as such.
 
     Raises:
         ConfigError: MLflow is not installed.
     """
-    if not cfg.logging.mlflow:
+    if not settings.mlflow:
         return None
-    client, uri = _client_for(cfg, run_dir)
+    client, uri = _client_for(settings, run_dir)
     from mlflow.entities import RunTag
 
     record = run_dir / RUN_FILE
@@ -168,48 +174,50 @@ def open_tracker(cfg: RunConfig, run_dir: Path, resumed_from: str | None) -> Tra
         logger.info("MLflow: resuming run %s (%s)", run_id, uri)
         return tracker
     tags = {"pt_ray.run_dir": str(run_dir.resolve())}
-    if cfg.logging.mlflow_parent:
-        tags["mlflow.parentRunId"] = cfg.logging.mlflow_parent
-    return _new_run(client, cfg, uri, run_dir, cfg.name, tags)
+    if settings.mlflow_parent:
+        tags["mlflow.parentRunId"] = settings.mlflow_parent
+    return _new_run(client, settings.mlflow_experiment, uri, run_dir, name, tags, params)
 
 
-def _new_run(client: Any, cfg: RunConfig, uri: str, folder: Path, name: str,
-             tags: dict[str, str]) -> Tracker:
-    """A new MLflow run for ``folder`` (its id kept in ``folder/mlflow.json``), with ``cfg``
-    as its parameters."""
+def _new_run(client: Any, experiment_name: str, uri: str, folder: Path, name: str,
+             tags: dict[str, str], params: Mapping[str, Any]) -> Tracker:
+    """A new MLflow run in ``experiment_name`` for ``folder`` (its id kept in
+    ``folder/mlflow.json``), with ``params`` (nested config values) as its parameters."""
     from mlflow.entities import Param
 
-    experiment = client.get_experiment_by_name(cfg.logging.mlflow_experiment)
+    experiment = client.get_experiment_by_name(experiment_name)
     experiment_id = (experiment.experiment_id if experiment is not None else
                      client.create_experiment(
-                         cfg.logging.mlflow_experiment,
+                         experiment_name,
                          artifact_location=(str((folder / "mlflow" / "artifacts").resolve())
                                             if uri.startswith("sqlite:///") else None)))
     run = client.create_run(experiment_id, run_name=name, tags=tags)
     tracker = Tracker(client, run.info.run_id, folder)
-    params = flatten(cfg.model_dump(mode="json"))
-    tracker._batch(params=[Param(k, v) for k, v in sorted(params.items())])
+    flat = flatten(params)
+    tracker._batch(params=[Param(k, v) for k, v in sorted(flat.items())])
     (folder / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
-    logger.info("MLflow: run %s in experiment %r (%s)", run.info.run_id,
-                cfg.logging.mlflow_experiment, uri)
+    logger.info("MLflow: run %s in experiment %r (%s)", run.info.run_id, experiment_name, uri)
     return tracker
 
 
-def open_sweep_run(base: RunConfig, sweep_dir: Path) -> tuple[Tracker, list[str]] | None:
-    """The parent MLflow run of a sweep (reopened when the sweep resumes), and the overrides
-    that nest each trial under it in the same store. None when ``logging.mlflow`` is off.
+def open_sweep_run(settings: LoggingConfig, sweep_dir: Path, *, name: str,
+                   params: Mapping[str, Any]) -> tuple[Tracker, list[str]] | None:
+    """The parent MLflow run of a sweep (reopened when the sweep resumes; a new one is named
+    ``<name>-sweep``, with ``params``, the base config's values, as its parameters), and the
+    overrides that nest each trial under it in the same store. None when ``logging.mlflow`` is
+    off.
 
     Raises:
         ConfigError: MLflow is not installed.
     """
-    if not base.logging.mlflow:
+    if not settings.mlflow:
         return None
-    client, uri = _client_for(base, sweep_dir)
+    client, uri = _client_for(settings, sweep_dir)
     record = sweep_dir / RUN_FILE
     if record.is_file():
         tracker = Tracker(client, json.loads(record.read_text())["run_id"], sweep_dir)
         client.update_run(tracker.run_id, status="RUNNING")
     else:
-        tracker = _new_run(client, base, uri, sweep_dir, f"{base.name}-sweep",
-                           {"pt_ray.sweep_dir": str(sweep_dir)})
+        tracker = _new_run(client, settings.mlflow_experiment, uri, sweep_dir, f"{name}-sweep",
+                           {"pt_ray.sweep_dir": str(sweep_dir)}, params)
     return tracker, [f"logging.mlflow={uri}", f"logging.mlflow_parent={tracker.run_id}"]

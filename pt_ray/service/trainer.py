@@ -179,7 +179,7 @@ def cluster_devices(cfg: RunConfig) -> DeviceChoice:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs.
     """
     gpus = local_gpus() if starts_embedded() else ray.cluster_resources().get("GPU", 0.0)
-    choice = choose_devices(cfg, gpus)
+    choice = choose_devices(cfg.pipeline, gpus, engine=cfg.engine, precision=cfg.precision)
     logger.info(choice.describe())
     return choice
 
@@ -223,7 +223,7 @@ def run_on_ray(
     started = ensure_ray(cfg)
     try:
         choice = choice or cluster_devices(cfg)
-        cfg = choice.apply(cfg)
+        cfg = cfg.model_copy(update=choice.config_update(cfg.pipeline))
         # An embedded cluster is sized for the run and has no autoscaler; a cluster pt-ray
         # attached to may be too small, or busy with other jobs.
         autoscaler, watch = False, False
