@@ -93,7 +93,7 @@ def test_apply_records_the_concrete_choice_and_round_trips():
 def test_sweep_reuse_matches_a_recorded_resolution_of_auto():
     from pt_ray.tune import _same_config
 
-    from pt_ray.core.cachesize import resolve_cache_sizes
+    from pt_ray.cache.size import resolve_cache_sizes
 
     wanted = cfg(epochs=2).model_dump(mode="json")
     applied = choose_devices(cfg(epochs=2), 0).apply(cfg(epochs=2))

@@ -479,7 +479,7 @@ class CacheConfig(_Section):
     node (``budget_bytes``, or ``budget_fraction`` of its object store), at least 256 MiB:
     the views cost no memory beyond the store's, so the memo can hold whatever the store does.
     The driver resolves it once, before any worker starts, and ``config.yaml`` records the
-    figure (:func:`pt_ray.core.cachesize.resolve_cache_sizes`)."""
+    figure (:func:`pt_ray.cache.size.resolve_cache_sizes`)."""
     device_bytes: int | Literal["auto"] = "auto"
     """Bytes of device memory each stage-0 worker holds cached rows in, by sample, so a step
     serves them without the store (0: none). ``auto``: a quarter of the GPU's free memory at
