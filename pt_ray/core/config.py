@@ -441,7 +441,8 @@ RAY_MIN_OBJECT_STORE_BYTES = 75 * 2**20
 
 
 class CacheConfig(_Section):
-    """AutoCache: the frozen prefix's activations in Ray's object store."""
+    """AutoCache: the frozen prefix's activations in Ray's object store. When it turns on is
+    decided in one place, :mod:`pt_ray.cache.policy`, from these fields."""
 
     mode: Literal["auto", "on", "off"] = "auto"
     """``auto``: on in the plans where the planner predicts a gain from the profiled costs

@@ -9,8 +9,10 @@ Pure module. It meets the :class:`pt_ray.core.plan.Planner` protocol, as the pap
 2. for each K, partitions the active blocks exactly (stage 0 carrying the embedding while it
    trains, or the frozen prefix's per-micro-batch cost: its forward, or a cache read; the last
    stage the head);
-3. for each K, the cache off and (when allowed and n > 0) on, and each micro-batch count M (a
-   divisor of the replica batch, at most ``max_microbatches_per_stage * K``), predicts the step
+3. for each K, each cache choice the run's policy leaves at n
+   (:meth:`pt_ray.cache.policy.CachePolicy.choices`: off, on, or both to weigh), and each
+   micro-batch count M (a divisor of the replica batch, at most
+   ``max_microbatches_per_stage * K``), predicts the step
    with :func:`pt_ray.costs.costmodel.step_time` (cache in steady state: reads hit at level n;
    a read costs more when the cache outgrows a worker's memo:
    :func:`pt_ray.costs.costmodel.cache_read_factor`) and keeps the layouts whose every stage
