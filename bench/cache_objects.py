@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler
-from pt_ray.runtime.prefix import CachedPrefix
-from pt_ray.service.cache import (
+from pt_ray.cache.prefix import CachedPrefix
+from pt_ray.cache.owners import (
     CacheActor,
     RayStore,
     cache_name,

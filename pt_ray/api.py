@@ -273,7 +273,7 @@ def fit(
     built_from = time.perf_counter()
     splits, adapter = preflight(cfg)
     preflight_s = time.perf_counter() - built_from
-    from pt_ray.control.state import cache_policy
+    from pt_ray.cache.policy import cache_policy
 
     logger.info(cache_policy(cfg, splits.train.deterministic_transform).describe())
     # One live run per folder: a second one stops here, before it writes anything.

@@ -1,5 +1,6 @@
-"""The activation cache without processes: its blocks in the run's plain order, when the cache
-may turn on, the block store's bookkeeping, and stage 0's cached prefix against the plain one."""
+"""The activation cache without processes: its blocks in the run's plain order, the block
+store's bookkeeping, and stage 0's cached prefix against the plain one (when the cache turns on:
+test_cache_policy.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from pt_ray.core.config import ConfigError, build_config, load_config
-from pt_ray.control.state import build_control_state, cache_policy
-from pt_ray.costs.costmodel import CacheLayout, cache_read_factor
-from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
+from pt_ray.core.config import build_config
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler, training_sampler
-from pt_ray.costs.hwprofile import load_hardware
-from pt_ray.core.plan import CostTable, LayerCost, PaperPlanner, PlanSettings
-from pt_ray.runtime.cache import BlockIndex, InMemoryStore, from_numpy, to_numpy
-from pt_ray.runtime.cache import Segment, distinct_figures
-from pt_ray.runtime.prefix import (
+from pt_ray.cache.store import BlockLedger, InMemoryStore, from_numpy, to_numpy
+from pt_ray.cache.store import Segment, distinct_figures
+from pt_ray.cache.prefix import (
     CachedPrefix,
     copied_whole,
     gather_rows_on_device,
@@ -63,148 +59,7 @@ def test_the_order_is_the_plain_permutation_cache_on_or_off():
     assert min(touched) >= 8 and max(touched) <= blocks.num_blocks == 15
 
 
-# -- when the cache may turn on -----------------------------------------------------------------
-
-
-def test_cache_policy_modes_and_reasons():
-    on = cache_policy(cfg(cache={"mode": "on"}), deterministic_transform=True)
-    assert on.mode == "on" and on.describe() == (
-        "activation cache on: cache.mode=on: on whenever a block is frozen")
-    assert cache_policy(cfg(cache={"mode": "off"}), True).describe() == (
-        "activation cache off: cache.mode=off")
-    never = cache_policy(cfg(freeze={"policy": "none"}), True)
-    assert never.mode == "off" and "nothing ever freezes" in never.reason
-    random = cache_policy(cfg(), deterministic_transform=False)
-    assert random.mode == "off" and "cache.allow_random_transform=true" in random.reason
-    opted = cache_policy(cfg(cache={"allow_random_transform": True}), False)
-    assert opted.mode == "auto" and "allow_random" in opted.reason
-    # The library default leaves the cache to the planner, plan by plan, in the plain order.
-    assert cache_policy(build_config({}), True).describe() == (
-        "activation cache auto: cache.mode=auto: on in the plans where the planner predicts "
-        "a gain")
-
-
-def test_cache_config_reads_yaml_on_off_and_rejects_bad_values():
-    # YAML reads a bare on/off as a boolean: `pt-ray train --set cache.mode=on` must still work.
-    assert load_config(None, ["cache.mode=on"]).cache.mode == "on"
-    assert load_config(None, ["cache.mode=off"]).cache.mode == "off"
-    with pytest.raises(ConfigError, match="cache.mode='sometimes'"):
-        load_config(None, ["cache.mode=sometimes"])
-    with pytest.raises(ConfigError, match="cache.block_size"):
-        load_config(None, ["cache.block_size=0"])
-
-
-def test_augmented_data_keeps_the_cache_off_and_the_log_says_why(caplog):
-    c = cfg(data={"name": "synthetic_image", "num_samples": 64, "augment": True},
-            pipeline={"policy": "paper"}, cache={"mode": "on"})
-    caplog.set_level("INFO", logger="pt_ray.control.state")
-    state = build_control_state(c, 4, 2, 2, deterministic_transform=False)
-    assert "training transform is random" in caplog.text
-    for r in range(2):
-        state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
-    plan = state.planner.next_plan(state.plan_for(0), 2)
-    assert not plan.cache
-
-
-def costs(act_bytes, block_s=1e-3, n=6):
-    return CostTable(LayerCost(block_s, 2 * block_s, act_bytes, 1.0),
-                     tuple(LayerCost(block_s, 2 * block_s, act_bytes, 1.0) for _ in range(n)),
-                     LayerCost(block_s, 2 * block_s, 8.0, 1.0))
-
-
-def test_break_even_and_the_paper_planner_threshold():
-    hw = load_hardware("local-cpu")  # 2 GB/s cache reads
-    # A read of 5 MB takes 2.5 ms: beats the prefix from 2 frozen blocks (embed + 2 x 1 ms).
-    assert cache_break_even(costs(5e6), hw) == 2
-    assert cache_break_even(costs(1e12), hw) is None
-    planner = PaperPlanner(2, costs(5e6), PlanSettings(batch_size=8), cache_from=2)
-    plan = planner.initial_plan()
-    assert not plan.cache
-    one = planner.next_plan(plan, 1)
-    assert not one.cache and planner.next_plan(one, 3).cache
-    with pytest.raises(ValueError, match="cache_from=0"):
-        PaperPlanner(2, costs(5e6), PlanSettings(batch_size=8), cache_from=0)
-
-
-def test_paper_policy_modes_reach_the_plans():
-    def plans(**cache):
-        c = cfg(pipeline={"policy": "paper"}, cache=cache)
-        state = build_control_state(c, 6, 2, 4)  # 4 steps of 64: a cache of 256 rows of 5 MB
-        for r in range(2):
-            state.submit_costs(r, costs(5e6))
-        p0 = state.plan_for(0)
-        return [state.planner.next_plan(p0, n).cache for n in (1, 2, 4)]
-
-    # the break-even: 2 frozen blocks, where the 1.28 GB cache fits a worker's 2 GiB memo
-    memo = 2**31
-    assert plans(mode="auto", worker_memo_bytes=memo) == [False, True, True]
-    assert plans(mode="on") == [True, True, True]
-    assert plans(mode="off") == [False, False, False]
-    assert plans(mode="auto", min_frozen=4, worker_memo_bytes=memo) == [False, False, True]
-    # With a 256 MiB memo a pass of 32 rows reads its 4 blocks of 64 whole, mostly from the
-    # store: 7.3 times the bytes, which never beats the forward.
-    assert plans(mode="auto", worker_memo_bytes=256 * 2**20) == [False, False, False]
-    # Unresolved (no Ray: the in-process store's memo holds its arrays), the memo has no cap.
-    assert plans(mode="auto") == [False, True, True]
-
-
-def test_cache_read_factor_counts_whole_blocks_past_the_memo():
-    c = costs(1e3)  # rows of 1 kB; 1000 samples in 100 blocks of 10: a 1 MB cache
-    assert cache_read_factor(c, 2, 16, None) == 1.0
-    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, None)) == 1.0
-    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 1e6)) == 1.0  # fits: 1x
-    touched = 100 * (1 - 0.99**16)                      # 14.85 distinct blocks per 16 rows
-    assert CacheLayout(1000, 10, 0).blocks_touched(16) == pytest.approx(touched)
-    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 0)) == pytest.approx(
-        1 + touched * 10 / 16)                          # every block read whole: 10.3x
-    assert cache_read_factor(c, 2, 16, CacheLayout(1000, 10, 5e5)) == pytest.approx(
-        1 + touched * 0.5 * 10 / 16)                    # the memo holds half of them
-
-
-def test_cost_planner_keeps_the_cache_off_where_whole_block_reads_cost_more_and_says_so():
-    hw = load_hardware("local-cpu")
-    c = costs(5e5)  # a 0.25 ms read per row against 3 ms of prefix at 2 frozen blocks
-    fits = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8),
-                            cache_layout=CacheLayout(1000, 64, 2**30))
-    tight = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8),
-                             cache_layout=CacheLayout(1000, 64, 2**20))
-    on = fits.next_plan(fits.initial_plan(), 2)
-    off = tight.next_plan(tight.initial_plan(), 2)
-    assert on.cache and not off.cache
-    assert fits.cache_reason(on).startswith("cache on at 2 frozen blocks: predicted ")
-    assert "; the whole cache (476.8 MiB) fits a worker's memo (1024 MiB)" in fits.cache_reason(on)
-    reason = tight.cache_reason(off)
-    assert reason.startswith("cache off at 2 frozen blocks: predicted ")
-    assert "the cache (476.8 MiB) outgrows a worker's memo (1 MiB, cache.worker_memo_bytes)" \
-        in reason and "blocks whole" in reason
-    # Without a layout (reads of the rows alone) the same costs cache.
-    assert CostModelPlanner(2, c, hw, PlanSettings(batch_size=8)).next_plan(on, 3).cache
-
-
-def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
-    caplog.set_level("INFO", logger="pt_ray.control.state")
-    c = cfg(freeze={"policy": "schedule", "alpha": 0.5, "warmup_epochs": 1},
-            cache={"worker_memo_bytes": 2**30}, pipeline={"start_trial_margin": 0})
-    state = build_control_state(c, 6, 2, 4)
-    for r in range(2):
-        state.submit_costs(r, costs(5e5))
-    state.submit_norms(0, {b: 1.0 for b in range(6)})
-    assert state.plan_for(1).num_frozen > 0 and state.plan_for(1).cache
-    lines = [r.getMessage() for r in caplog.records if "frozen blocks: " in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("epoch 1: cache on at ")
-
-
-def test_cost_planner_min_frozen_floor():
-    hw = load_hardware("local-cpu")
-    c = costs(8.0)  # reads nearly free: auto would cache from the first frozen block
-    free = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8), cache="auto")
-    floor = CostModelPlanner(2, c, hw, PlanSettings(batch_size=8), cache="auto", cache_min_frozen=3)
-    p0 = free.initial_plan()
-    assert free.next_plan(p0, 1).cache
-    assert not floor.next_plan(p0, 2).cache and floor.next_plan(p0, 3).cache
-
-
-# -- the block index ---------------------------------------------------------------------------
+# -- the block ledger ---------------------------------------------------------------------------
 
 
 def payload(ids, level=1, width=3):
@@ -214,7 +69,7 @@ def payload(ids, level=1, width=3):
 
 
 def test_pieces_become_one_object_per_block_and_depth():
-    idx: BlockIndex = BlockIndex(10**6, put=lambda p: p, load=lambda p: p)
+    idx: BlockLedger = BlockLedger(10**6, put=lambda p: p, load=lambda p: p)
     assert idx.add(0, block=7, block_size=4, level=1, payload=payload([5, 1]))
     assert idx.stats.objects == 0 and idx.stats.pending_bytes > 0  # waits for its block
     idx.add(0, 7, 4, 1, payload([9, 3]))
@@ -233,7 +88,7 @@ def test_pieces_become_one_object_per_block_and_depth():
 
 
 def test_a_deeper_depth_replaces_the_shallower_one():
-    idx: BlockIndex = BlockIndex(10**6, put=lambda p: p, load=lambda p: p)
+    idx: BlockLedger = BlockLedger(10**6, put=lambda p: p, load=lambda p: p)
     idx.add(0, 0, 2, 1, payload([0, 1], level=1))
     idx.add(0, 0, 2, 2, payload([0], level=2))
     assert [lv for _, lv, _ in idx.lookup([0], 2)] == [1]  # depth 2 still waits for sample 1
@@ -251,7 +106,7 @@ def test_a_deeper_depth_replaces_the_shallower_one():
 
 def test_budget_refuses_and_restart_invalidates():
     one = sum(a.nbytes for a in payload([0, 1])[1]) + 16
-    idx: BlockIndex = BlockIndex(one, put=lambda p: p, load=lambda p: p)
+    idx: BlockLedger = BlockLedger(one, put=lambda p: p, load=lambda p: p)
     assert idx.add(0, 0, 2, 1, payload([0, 1]))
     assert not idx.add(0, 1, 2, 1, payload([2, 3]))
     assert idx.stats.refused_rows == 2 and idx.lookup([1], 1) == []
@@ -264,14 +119,14 @@ def test_budget_refuses_and_restart_invalidates():
     def failing_put(p):
         raise MemoryError("store full")
 
-    full: BlockIndex = BlockIndex(10**6, put=failing_put, load=lambda p: p)
+    full: BlockLedger = BlockLedger(10**6, put=failing_put, load=lambda p: p)
     full.add(0, 0, 1, 1, payload([0]))  # a full store: refused, no exception
     assert full.stats.objects == 0 and full.stats.refused_rows == 1
 
 
 def test_distinct_figures_count_each_row_once_however_many_stores_copy_it():
     def store(pieces):
-        idx: BlockIndex = BlockIndex(10**6, put=lambda p: p, load=lambda p: p)
+        idx: BlockLedger = BlockLedger(10**6, put=lambda p: p, load=lambda p: p)
         for block, level, ids in pieces:
             idx.add(0, block, 4, level, payload(ids, level=level))
         idx.flush()

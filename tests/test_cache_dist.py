@@ -10,7 +10,7 @@ from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.core.plan import CostTable
-from pt_ray.runtime.cache import InMemoryStore
+from pt_ray.cache.store import InMemoryStore
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
 

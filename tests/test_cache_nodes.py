@@ -22,9 +22,9 @@ from torch import nn
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers
-from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.cache.prefix import CachedPrefix
 from pt_ray.runtime.reference import ReferenceTrainer
-from pt_ray.service.cache import RayStore, cache_name, create_owners, owners_report
+from pt_ray.cache.owners import RayStore, cache_name, create_owners, owners_report
 from pt_ray.service.trainer import run_on_ray
 from conftest import SESSION_RAY
 from test_cache_ray import wait_until_dead

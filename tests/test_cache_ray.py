@@ -13,16 +13,16 @@ import pytest
 import ray
 import torch
 
-from pt_ray.core.cachesize import resolve_cache_sizes
+from pt_ray.cache.size import resolve_cache_sizes
 from pt_ray.core.config import build_config
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers
-from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.cache.prefix import CachedPrefix
 from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.reference import ReferenceTrainer
-from pt_ray.service.cache import CacheActor, RayStore, store_capacities
+from pt_ray.cache.owners import CacheActor, RayStore, store_capacities
 from pt_ray.service.trainer import run_on_ray
 from conftest import SESSION_RAY
 from test_ray_engine import tiny_config

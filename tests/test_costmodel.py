@@ -5,6 +5,7 @@ from dataclasses import fields, replace
 
 import pytest
 
+from pt_ray.cache.policy import CachePolicy
 from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.costs.costmodel import (
@@ -249,7 +250,7 @@ def test_model_choice_is_never_slower_than_the_paper_rule(schedule):
     costs = analytic_costs(shape, hw)
     settings = PlanSettings(batch_size=400, batch_policy="per_replica", schedule=schedule,
                             initial_pipeline_length=8)
-    cost = CostModelPlanner(16, costs, hw, settings, cache="off",
+    cost = CostModelPlanner(16, costs, hw, settings, cache=CachePolicy("off"),
                             activation_memory_factor=saved_activation_factor(shape))
     rule = PaperPlanner(16, costs, settings)
     mine, paper = cost.initial_plan(), rule.initial_plan()
@@ -281,8 +282,8 @@ def test_planner_invariants_memory_and_shrinking_k():
 
 
 def test_pinned_planner_chooses_m_and_cache_but_keeps_k():
-    pinned, _ = vit_planner(elastic=False, cache="auto")
-    free, _ = vit_planner(cache="auto")
+    pinned, _ = vit_planner(elastic=False, cache=CachePolicy("auto"))
+    free, _ = vit_planner(cache=CachePolicy("auto"))
     plan = pinned.initial_plan()
     for n in (1, 3, 4):
         plan = pinned.next_plan(plan, n)
@@ -305,9 +306,9 @@ def test_a_tight_budget_keeps_the_pipeline_long():
 
 
 def test_cache_modes():
-    off, _ = vit_planner(cache="off")
-    on, _ = vit_planner(cache="on")
-    auto, _ = vit_planner(cache="auto")
+    off, _ = vit_planner(cache=CachePolicy("off"))
+    on, _ = vit_planner(cache=CachePolicy("on"))
+    auto, _ = vit_planner(cache=CachePolicy("auto"))
     assert not off.next_plan(off.initial_plan(), 6).cache
     assert on.next_plan(on.initial_plan(), 6).cache
     assert not on.initial_plan().cache
@@ -379,7 +380,7 @@ def test_1f1b_plans_never_have_fewer_microbatches_than_stages():
     for schedule in ("1f1b", "gpipe"):
         planner = CostModelPlanner(4, costs, hw, PlanSettings(
             batch_size=16, schedule=schedule, initial_pipeline_length=4, memory_budget=1e12),
-            cache="on")
+            cache=CachePolicy("on"))
         plan = planner.initial_plan()
         for n in range(1, 6):
             plan = planner.next_plan(plan, n)

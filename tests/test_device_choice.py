@@ -104,7 +104,7 @@ def test_the_choice_records_its_concrete_fields_and_round_trips():
 def test_sweep_reuse_matches_a_recorded_resolution_of_auto():
     from pt_ray.tune import _same_config
 
-    from pt_ray.core.cachesize import resolve_cache_sizes
+    from pt_ray.cache.size import resolve_cache_sizes
 
     wanted = cfg(epochs=2).model_dump(mode="json")
     resolved = applied(cfg(epochs=2), choice_for(cfg(epochs=2), 0))

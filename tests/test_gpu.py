@@ -19,7 +19,7 @@ from pt_ray.control.state import build_control_state
 from pt_ray.data.base import DatasetSplits, TensorSampleDataset
 from pt_ray.data.registry import build_dataset
 from pt_ray.models.base import iter_layers
-from pt_ray.runtime.cache import InMemoryStore
+from pt_ray.cache.store import InMemoryStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for

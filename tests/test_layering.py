@@ -10,26 +10,46 @@ import pytest
 
 
 PKG = Path(__file__).resolve().parents[1] / "pt_ray"
-# What each folder (or root module) may import from pt_ray, besides itself. Every pair below is
-# one-way: test_no_two_folders_import_each_other checks the table has no cycle.
+# A package whose modules sit on different floors: each of its modules is a unit of its own
+# (``cache.policy``), with its own row in the table and its own purity below.
+SPLIT = {"cache"}
+_CACHE_PURE = {"core", "cache.policy", "cache.size"}
+_RUNTIME_FLOOR = {"core", "control", "costs", "reporting", "models", "data"}
+_CACHE_TORCH = {"cache.store", "cache.rows", "cache.prefix"}
+_CACHE = _CACHE_PURE - {"core"} | _CACHE_TORCH | {"cache.owners"}
+# What each folder (or root module, or module of a SPLIT package) may import from pt_ray,
+# besides itself. Every pair below is one-way: test_no_two_folders_import_each_other checks the
+# table has no cycle.
 ALLOWED = {
     "core": set(),
-    "costs": {"core"},
+    # The cache's decision and sizing read the config only, so every planner can ask them.
+    "cache.__init__": set(),
+    "cache.policy": {"core"},
+    "cache.size": {"core"},
+    "costs": {"core", "cache.policy"},
     "reporting": {"core"},
-    "control": {"core", "costs", "reporting"},
+    "control": {"core", "costs", "reporting", "cache.policy", "cache.size"},
     "models": {"core"},
     "data": {"core"},
-    "runtime": {"core", "control", "costs", "reporting", "models", "data"},
-    "service": {"core", "control", "costs", "reporting", "models", "data", "runtime"},
-    "api": {"core", "control", "costs", "reporting", "models", "data", "runtime", "service"},
-    "tune": {"core", "control", "costs", "reporting", "models", "data", "runtime", "service",
-             "api"},
-    "cli": {"core", "control", "costs", "reporting", "models", "data", "runtime", "service",
-            "api", "tune"},
+    # The cache's torch modules sit on the runtime's floor, below the runtime that runs them.
+    "cache.store": _RUNTIME_FLOOR,
+    "cache.rows": _RUNTIME_FLOOR,
+    "cache.prefix": _RUNTIME_FLOOR | {"cache.policy", "cache.size", "cache.store", "cache.rows"},
+    "runtime": _RUNTIME_FLOOR | _CACHE_PURE | _CACHE_TORCH,
+    # The cache's Ray owners sit on the service's floor.
+    "cache.owners": _RUNTIME_FLOOR | {"runtime"} | _CACHE - {"cache.owners"},
+    "service": _RUNTIME_FLOOR | {"runtime"} | _CACHE,
+    "api": _RUNTIME_FLOOR | {"runtime", "service"} | _CACHE,
+    "tune": _RUNTIME_FLOOR | {"runtime", "service", "api"} | _CACHE,
+    "cli": _RUNTIME_FLOOR | {"runtime", "service", "api", "tune"} | _CACHE,
     "__init__": {"core", "reporting", "api"},
 }
-PURE = ["core", "costs", "reporting", "control"]
-TORCH_ONLY = ["models", "data", "runtime"]
+# Folders, and modules of SPLIT packages, that never import torch or Ray, ...
+PURE = ["core", "costs", "reporting", "control", "cache/policy.py", "cache/size.py"]
+# ... that import torch but never Ray, ...
+TORCH_ONLY = ["models", "data", "runtime", "cache/store.py", "cache/rows.py", "cache/prefix.py"]
+# ... and the modules of SPLIT packages that may import Ray (the service's floor).
+RAY = ["cache/owners.py"]
 # Above the layers: the command line and api.py import torch and Ray only inside functions, so a
 # bad argument or config fails before either loads. tune.py (pt_ray.sweep) is Ray Tune's driver
 # side, loaded by them only when a sweep runs.
@@ -38,6 +58,10 @@ ROOT_MODULES = {"__init__.py", "api.py", "tune.py"}
 
 
 def modules_in(folder: str) -> list[Path]:
+    """The modules of a folder, or the one module ``folder`` names (``cache/policy.py``)."""
+    if folder.endswith(".py"):
+        assert (PKG / folder).is_file(), f"{folder} is missing"
+        return [PKG / folder]
     files = sorted((PKG / folder).rglob("*.py"))
     assert files, f"{folder} is empty"
     return files
@@ -61,9 +85,24 @@ def offending(names: set[str], banned: tuple[str, ...]) -> set[str]:
 
 
 def unit_of(path: Path) -> str:
-    """The folder (or root module's stem) a module of pt_ray belongs to."""
+    """The unit a module of pt_ray belongs to: its folder, a root module's stem, or for a
+    module of a SPLIT package, ``package.module``."""
     rel = path.relative_to(PKG)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+    if len(rel.parts) == 1:
+        return rel.stem
+    if rel.parts[0] in SPLIT:
+        return f"{rel.parts[0]}.{Path(rel.parts[1]).stem}"
+    return rel.parts[0]
+
+
+def unit_of_name(name: str) -> str | None:
+    """The unit of pt_ray a dotted module name imports (None: not pt_ray's)."""
+    parts = name.split(".")
+    if parts[0] != "pt_ray" or len(parts) < 2:
+        return None
+    if parts[1] in SPLIT:
+        return f"{parts[1]}.{parts[2] if len(parts) > 2 else '__init__'}"
+    return parts[1]
 
 
 def folder_imports(paths) -> dict[str, set[str]]:
@@ -72,9 +111,9 @@ def folder_imports(paths) -> dict[str, set[str]]:
     for path in paths:
         unit = unit_of(path)
         for name in imported_modules(path):
-            parts = name.split(".")
-            if parts[0] == "pt_ray" and len(parts) > 1 and parts[1] != unit:
-                edges.setdefault(unit, set()).add(parts[1])
+            other = unit_of_name(name)
+            if other is not None and other != unit:
+                edges.setdefault(unit, set()).add(other)
     return edges
 
 
@@ -103,7 +142,17 @@ def test_package_root_holds_only_the_entry_modules_and_the_layer_folders():
     modules = {p.name for p in PKG.glob("*.py")}
     folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert modules == ROOT_MODULES
-    assert folders | {m.removesuffix(".py") for m in modules} == set(ALLOWED)
+    units = {unit_of(p) for f in folders & SPLIT for p in (PKG / f).glob("*.py")}
+    assert folders - SPLIT | units | {m.removesuffix(".py") for m in modules} == set(ALLOWED)
+
+
+@pytest.mark.unit
+def test_each_module_of_a_split_package_has_its_floor_and_its_purity():
+    for folder in SPLIT:
+        assert not [p for p in (PKG / folder).iterdir() if p.is_dir()
+                    and p.name != "__pycache__"], f"{folder} keeps its modules flat"
+        checked = {unit_of(PKG / m) for m in PURE + TORCH_ONLY + RAY if m.startswith(folder)}
+        assert checked | {f"{folder}.__init__"} == {unit_of(p) for p in modules_in(folder)}
 
 
 @pytest.mark.unit
@@ -143,14 +192,25 @@ def test_pure_core_has_no_torch_or_ray(folder):
     for path in modules_in(folder):
         assert not offending(imported_modules(path), ("ray", "torch", "pt_ray.service",
                                                       "pt_ray.runtime", "pt_ray.models",
-                                                      "pt_ray.data", "pt_ray.cli")), path
+                                                      "pt_ray.data", "pt_ray.cli",
+                                                      *(f"pt_ray.{m}" for m in _CACHE_TORCH),
+                                                      "pt_ray.cache.owners")), path
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("folder", TORCH_ONLY)
 def test_torch_runtime_has_no_ray(folder):
     for path in modules_in(folder):
-        assert not offending(imported_modules(path), ("ray", "pt_ray.service", "pt_ray.cli")), path
+        assert not offending(imported_modules(path), ("ray", "pt_ray.service", "pt_ray.cli",
+                                                      "pt_ray.cache.owners")), path
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("package", sorted(SPLIT))
+def test_a_split_package_root_imports_nothing(package):
+    # Importing pt_ray.cache.policy loads pt_ray/cache/__init__.py first: it must not pull in
+    # the package's torch or Ray modules.
+    assert imported_modules(PKG / package / "__init__.py") == set()
 
 
 @pytest.mark.unit
@@ -160,6 +220,23 @@ def test_command_line_loads_torch_and_ray_only_when_a_command_needs_them(folder)
         at_import = imported_modules(path, top_level_only=True)
         assert not offending(at_import, ("ray", "torch", "pt_ray.service", "pt_ray.runtime",
                                          "pt_ray.models", "pt_ray.data", "pt_ray.tune")), path
+
+
+@pytest.mark.unit
+def test_checker_places_a_split_package_module_on_its_own_floor(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "policy.py").write_text("from pt_ray.cache.store import X\n")
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "engine.py").write_text("import pt_ray.cache.owners\n")
+    global PKG
+    real, PKG = PKG, tmp_path
+    try:
+        edges = folder_imports(sorted(tmp_path.rglob("*.py")))
+    finally:
+        PKG = real
+    assert edges == {"cache.policy": {"cache.store"}, "runtime": {"cache.owners"}}
+    assert "cache.store" not in ALLOWED["cache.policy"]
+    assert "cache.owners" not in ALLOWED["runtime"]
 
 
 @pytest.mark.unit
@@ -202,7 +279,8 @@ def communication_calls(path: Path) -> list[str]:
 
 @pytest.mark.unit
 def test_only_the_comm_module_communicates():
-    files = [p for folder in ("runtime", "service") for p in sorted((PKG / folder).rglob("*.py"))
+    files = [p for folder in ("runtime", "service", "cache")
+             for p in sorted((PKG / folder).rglob("*.py"))
              if p.name != "comm.py"]
     assert [c for p in files for c in communication_calls(p)] == []
     # The checker sees a real call.

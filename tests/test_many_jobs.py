@@ -12,7 +12,7 @@ import pytest
 
 from pt_ray.api import fit
 from pt_ray.runtime.reference import ReferenceTrainer
-from pt_ray.service.cache import cache_name
+from pt_ray.cache.owners import cache_name
 from pt_ray.service.controller import controller_name
 from pt_ray.models.base import iter_layers
 from test_ray_engine import max_difference, tiny_config

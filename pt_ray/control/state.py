@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from statistics import median
-from typing import Any, Literal
+from typing import Any
 
-from pt_ray.core.cachesize import memo_limit
+from pt_ray.cache.policy import cache_policy
+from pt_ray.cache.size import memo_limit
 from pt_ray.core.config import RunConfig
 from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
@@ -31,16 +32,13 @@ from pt_ray.core.plan import (
     Plan,
     Planner,
     PlanSettings,
-    replica_batch,
 )
 from pt_ray.control.trials import FirstLayoutTrials
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
-    "CachePolicy",
     "ControlState",
     "build_control_state",
-    "cache_policy",
     "decision_interval",
     "decisions_per_epoch",
     "merge_costs",
@@ -99,56 +97,6 @@ def transition_line(label: str, old: Plan, new: Plan) -> str:
     if old.cache != new.cache:
         line += f", cache {'off -> on' if new.cache else 'on -> off'}"
     return line
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    """What the activation cache may do in a run (from the config and the dataset).
-
-    Attributes:
-        mode: ``off`` (never), ``on`` (whenever a block is frozen) or ``auto`` (in the plans
-            where the planner predicts a gain).
-        reason: why, in words, for the run log.
-    """
-
-    mode: Literal["auto", "on", "off"]
-    reason: str
-
-    def describe(self) -> str:
-        """The decision as one log line (``activation cache off: cache.mode=off``)."""
-        return f"activation cache {self.mode}: {self.reason}"
-
-
-def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
-    """Whether the cache may turn on in this run.
-
-    The cache is only valid when the frozen prefix sees the same input every epoch: with a random
-    training transform it would freeze one augmented view, so it stays off unless the user opts
-    in. It never changes the sample order (:func:`pt_ray.data.sampler.training_sampler`), so
-    ``cache.mode=auto`` leaves the choice to the planner, plan by plan, from the profiled costs.
-    The decision is a function of the config and the dataset alone, so the reference trainer,
-    every rank and a resumed run agree on it.
-
-    Args:
-        cfg: the run configuration.
-        deterministic_transform: the training split's ``deterministic_transform``.
-    """
-    c, f = cfg.cache, cfg.freeze
-    if c.mode == "off":
-        return CachePolicy("off", "cache.mode=off")
-    if f.policy == "none" or f.max_frozen == 0:
-        return CachePolicy("off", f"nothing ever freezes (freeze.policy={f.policy}, "
-                                  f"max_frozen={f.max_frozen})")
-    if not deterministic_transform and not c.allow_random_transform:
-        return CachePolicy("off", (
-            "the training transform is random (data.augment=true), so cached activations "
-            "would keep one augmented view per sample; set cache.allow_random_transform=true "
-            "to cache anyway"))
-    reason = ("cache.mode=on: on whenever a block is frozen" if c.mode == "on" else
-              "cache.mode=auto: on in the plans where the planner predicts a gain")
-    if not deterministic_transform:
-        reason += " (random transform allowed by cache.allow_random_transform)"
-    return CachePolicy(c.mode, reason)
 
 
 class ControlState:
@@ -548,11 +496,14 @@ def build_control_state(
 
     def make_planner(costs: CostTable) -> Planner:
         if p.policy == "paper":
-            return PaperPlanner(num_workers, costs, settings, cache_from=_paper_cache_from(
-                cfg, cache.mode, costs, hw, layout, num_workers))
+            # A read's rows: a replica's share of a pass with every worker a replica, the most
+            # a read can be amplified.
+            rows = settings.replica_batch(num_workers)
+            rule = cache.for_rules(
+                lambda: cache_break_even(costs, hw, layout=layout, samples=rows))
+            return PaperPlanner(num_workers, costs, settings, cache=rule)
         # By default (as the paper) a stage may hold what the largest stage held at the start.
-        planner = CostModelPlanner(num_workers, costs, hw, settings, cache=cache.mode,
-                                   cache_min_frozen=cfg.cache.min_frozen or 1,
+        planner = CostModelPlanner(num_workers, costs, hw, settings, cache=cache,
                                    cache_layout=layout, budget_from_start=budget is None)
         planner.start_on(planner.initial_plan())  # until trials choose another start
         return planner
@@ -566,25 +517,3 @@ def build_control_state(
     return ControlState(num_workers, policy, make_planner, decision_label=label, guard=guard,
                         min_device_batch=floor, trial_margin=p.start_trial_margin)
 
-
-def _paper_cache_from(cfg: RunConfig, mode: str, costs: CostTable, hw: HardwareProfile,
-                      layout: CacheLayout, num_workers: int) -> int | None:
-    """The paper policy's cache threshold: every frozen depth (``on``), ``cache.min_frozen``,
-    or where a cache read first beats recomputing the prefix (``auto``; a read's rows are a
-    replica's share of a pass with every worker a replica, the most a read can be amplified)."""
-    if mode == "off":
-        return None
-    if mode == "on":
-        return 1
-    if cfg.cache.min_frozen is not None:
-        return cfg.cache.min_frozen
-    rows = replica_batch(cfg.data.batch_size, num_workers, cfg.batch_policy,
-                         cfg.optimizer.accumulation_steps)
-    even = cache_break_even(costs, hw, layout=layout, samples=rows)
-    if even is not None:
-        logger.info("cache.mode=auto: the cache turns on from %d frozen blocks, where a read "
-                    "beats the prefix's forward", even)
-    else:
-        logger.info("cache.mode=auto: the cache stays off: no cache read beats the prefix's "
-                    "forward")
-    return even

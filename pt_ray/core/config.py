@@ -441,7 +441,8 @@ RAY_MIN_OBJECT_STORE_BYTES = 75 * 2**20
 
 
 class CacheConfig(_Section):
-    """AutoCache: the frozen prefix's activations in Ray's object store."""
+    """AutoCache: the frozen prefix's activations in Ray's object store. When it turns on is
+    decided in one place, :mod:`pt_ray.cache.policy`, from these fields."""
 
     mode: Literal["auto", "on", "off"] = "auto"
     """``auto``: on in the plans where the planner predicts a gain from the profiled costs
@@ -479,7 +480,7 @@ class CacheConfig(_Section):
     node (``budget_bytes``, or ``budget_fraction`` of its object store), at least 256 MiB:
     the views cost no memory beyond the store's, so the memo can hold whatever the store does.
     The driver resolves it once, before any worker starts, and ``config.yaml`` records the
-    figure (:func:`pt_ray.core.cachesize.resolve_cache_sizes`)."""
+    figure (:func:`pt_ray.cache.size.resolve_cache_sizes`)."""
     device_bytes: int | Literal["auto"] = "auto"
     """Bytes of device memory each stage-0 worker holds cached rows in, by sample, so a step
     serves them without the store (0: none). ``auto``: a quarter of the GPU's free memory at

@@ -22,6 +22,7 @@ from pt_ray.core.memory import MemoryModel
 from pt_ray.core.partition import Partition, partition
 
 __all__ = [
+    "CacheRule",
     "CostTable",
     "LayerCost",
     "PaperPlanner",
@@ -412,6 +413,17 @@ class Planner(Protocol):
         """Samples one replica processes per pass."""
 
 
+class CacheRule(Protocol):
+    """Which plans a rule planner's cache serves (:class:`pt_ray.cache.policy.CachePolicy`
+    decides; the planner only asks)."""
+
+    def serves(self, num_frozen: int) -> bool:
+        """Whether plans with ``num_frozen`` frozen blocks read the cache."""
+
+    def why(self, num_frozen: int) -> str | None:
+        """Why, in words."""
+
+
 class PaperPlanner:
     """Chooses Plans by the paper's rule over an exact partition of measured costs.
 
@@ -425,15 +437,14 @@ class PaperPlanner:
             block keeps.
         frozen_weight: a frozen layer's time as a fraction of its forward time (1: it runs its
             forward; 0: ignored, which is what the 2021 code did in effect).
-        cache_from: turn the activation cache on in plans with at least this many frozen
-            blocks (the paper's code: 3); None: never. While the cache serves it, the frozen
-            prefix weighs nothing on stage 0.
+        cache: which plans read the activation cache (the run's
+            :class:`pt_ray.cache.policy.CachePolicy`, fixed for a rule planner by its
+            ``for_rules``); None: none. While the cache serves it, the frozen prefix weighs
+            nothing on stage 0.
     """
 
     def __init__(self, num_workers: int, costs: CostTable, settings: PlanSettings, *,
-                 frozen_weight: float = 1.0, cache_from: int | None = None) -> None:
-        if cache_from is not None and cache_from < 1:
-            raise ValueError(f"cache_from={cache_from} must be at least 1 (a frozen block) or None")
+                 frozen_weight: float = 1.0, cache: CacheRule | None = None) -> None:
         k0 = num_workers if settings.initial_pipeline_length is None \
             else settings.initial_pipeline_length
         if num_workers % k0:
@@ -452,7 +463,7 @@ class PaperPlanner:
         self.costs = costs.with_recompute() if settings.activation_checkpointing else costs
         self.initial_pipeline_length = k0
         self.frozen_weight = frozen_weight
-        self.cache_from = cache_from
+        self.cache = cache
         self.memory_model = MemoryModel(optimizer_state_factor=settings.optimizer_state_factor,
                                         frozen_param_factor=frozen_weight)
         self.memory_budget = (
@@ -472,16 +483,13 @@ class PaperPlanner:
 
     def cached(self, num_frozen: int) -> bool:
         """Whether plans with ``num_frozen`` frozen blocks read the prefix from the cache."""
-        return self.cache_from is not None and num_frozen >= self.cache_from
+        return self.cache is not None and self.cache.serves(num_frozen)
 
     def cache_reason(self, plan: Plan) -> str:
         """Why ``plan`` reads the cache or not, in one line."""
-        if self.cache_from is None:
-            why = ("pipeline.policy=paper has no cache threshold (cache.mode=off, or no cache "
-                   "read beats the prefix's forward)")
-        else:
-            why = f"pipeline.policy=paper caches from {self.cache_from} frozen blocks"
-        return f"cache {'on' if plan.cache else 'off'} at {plan.num_frozen} frozen blocks: {why}"
+        why = "no cache" if self.cache is None else self.cache.why(plan.num_frozen)
+        return (f"cache {'on' if plan.cache else 'off'} at {plan.num_frozen} frozen blocks: "
+                f"pipeline.policy=paper, {why}")
 
     def _partition(self, num_frozen: int, k: int) -> Partition:
         c = self.costs
@@ -597,7 +605,7 @@ class PaperPlanner:
         settings = replace(self.settings, initial_pipeline_length=k0,
                            memory_budget=self.memory_budget)
         planner = PaperPlanner(num_workers, self.costs, settings,
-                               frozen_weight=self.frozen_weight, cache_from=self.cache_from)
+                               frozen_weight=self.frozen_weight, cache=self.cache)
         k = planner.pipeline_length_for(prev.num_frozen, planner.initial_pipeline_length)
         return planner._make(prev.generation + 1, prev.num_frozen, k,
                              planner._partition(prev.num_frozen, k))

@@ -9,8 +9,10 @@ Pure module. It meets the :class:`pt_ray.core.plan.Planner` protocol, as the pap
 2. for each K, partitions the active blocks exactly (stage 0 carrying the embedding while it
    trains, or the frozen prefix's per-micro-batch cost: its forward, or a cache read; the last
    stage the head);
-3. for each K, the cache off and (when allowed and n > 0) on, and each micro-batch count M (a
-   divisor of the replica batch, at most ``max_microbatches_per_stage * K``), predicts the step
+3. for each K, each cache choice the run's policy leaves at n
+   (:meth:`pt_ray.cache.policy.CachePolicy.choices`: off, on, or both to weigh), and each
+   micro-batch count M (a divisor of the replica batch, at most
+   ``max_microbatches_per_stage * K``), predicts the step
    with :func:`pt_ray.costs.costmodel.step_time` (cache in steady state: reads hit at level n;
    a read costs more when the cache outgrows a worker's memo:
    :func:`pt_ray.costs.costmodel.cache_read_factor`) and keeps the layouts whose every stage
@@ -25,8 +27,8 @@ is predicted as A passes of the schedule, then one all-reduce and one optimizer 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal
 
+from pt_ray.cache.policy import AUTO, CachePolicy
 from pt_ray.costs.costmodel import (
     PT_RAY,
     CacheLayout,
@@ -67,10 +69,9 @@ class CostModelPlanner:
             with ``elastic`` False, M and the cache are still chosen by prediction; with
             ``activation_checkpointing``, :meth:`stage_memory` counts what a checkpointed
             block keeps).
-        cache: ``auto`` (on when predicted faster), ``on`` (whenever something is frozen),
-            ``off``.
-        cache_min_frozen: with ``cache=auto``, the cache stays off below this many frozen
-            blocks.
+        cache: the run's cache policy (:class:`pt_ray.cache.policy.CachePolicy`): which cache
+            choices each frozen depth leaves the prediction (default ``auto``: on where
+            predicted faster).
         cache_layout: how the cache keeps its rows, for the cost of a read in the run's plain
             order (None: a read moves only the rows it uses).
         budget_from_start: the memory budget becomes the largest stage of the plan the run
@@ -94,8 +95,7 @@ class CostModelPlanner:
         hw: HardwareProfile,
         settings: PlanSettings,
         *,
-        cache: Literal["auto", "on", "off"] = "auto",
-        cache_min_frozen: int = 1,
+        cache: CachePolicy = AUTO,
         cache_layout: CacheLayout | None = None,
         budget_from_start: bool = False,
         runtime: Runtime = PT_RAY,
@@ -111,18 +111,15 @@ class CostModelPlanner:
                 f"pipeline_length={k0} must divide num_workers={num_workers} "
                 f"and leave every stage a block; choose one of {fits_layers}"
             )
-        if cache not in ("auto", "on", "off"):
-            raise ValueError(f"cache={cache!r} is not one of 'auto', 'on', 'off'")
         self.num_workers = num_workers
         self.settings = settings
         self.costs = costs.with_recompute() if settings.activation_checkpointing else costs
         self.hw = hw
-        self.options = {"cache": cache, "cache_min_frozen": cache_min_frozen,
-                        "cache_layout": cache_layout, "runtime": runtime,
+        self.options = {"cache": cache, "cache_layout": cache_layout, "runtime": runtime,
                         "activation_memory_factor": activation_memory_factor,
                         "max_microbatches_per_stage": max_microbatches_per_stage,
                         "optimizer_traffic": optimizer_traffic, "accumulate": accumulate}
-        self.cache, self.cache_min_frozen, self.cache_layout = cache, cache_min_frozen, cache_layout
+        self.cache, self.cache_layout = cache, cache_layout
         self.runtime = runtime
         self.max_microbatches_per_stage = max_microbatches_per_stage
         self.optimizer_traffic = optimizer_traffic
@@ -245,11 +242,7 @@ class CostModelPlanner:
         ks = [d for d in divisors(self.num_workers) if d <= min(current, max(active, 1))]
         if not self.settings.elastic:
             ks = [pinned_length(current, active, num_frozen)]
-        caches = [False]
-        if num_frozen > 0 and self.cache == "on":
-            caches = [True]
-        elif num_frozen >= max(1, self.cache_min_frozen) and self.cache == "auto":
-            caches = [False, True]
+        caches = self.cache.choices(num_frozen)
         best, best_rate = None, -1.0
         fastest: dict[bool, tuple[Plan, float]] = {}  # per cache choice, its fastest layout
         for k in ks:
@@ -372,8 +365,8 @@ def cache_break_even(
     """The fewest frozen blocks at which reading one sample's cached prefix output is faster
     than recomputing it (embedding + the frozen blocks' forward); None if it never is.
 
-    The 2021 code hard-coded 3 frozen blocks for every model; this is the comparison such a
-    threshold stands for. ``pipeline.policy=paper`` uses it for ``cache.mode=auto``.
+    The cache policy's rule planners turn the cache on from here under ``cache.mode=auto``
+    (:meth:`pt_ray.cache.policy.CachePolicy.for_rules`).
 
     Args:
         costs: per-layer costs.
@@ -421,12 +414,8 @@ def cache_note(planner: CostModelPlanner, num_frozen: int,
                fastest: dict[bool, tuple[Plan, float]]) -> str:
     """Why ``planner``'s plans with ``num_frozen`` frozen blocks read the cache or not, with the
     numbers (``fastest``: per cache choice, its fastest layout and predicted rate)."""
-    if num_frozen == 0:
-        return "nothing is frozen"
-    if planner.cache != "auto":
-        return f"cache.mode={planner.cache}"
-    if num_frozen < planner.cache_min_frozen:
-        return f"fewer frozen blocks than cache.min_frozen={planner.cache_min_frozen}"
+    if (fixed := planner.cache.why(num_frozen)) is not None:
+        return fixed
     if not fastest:
         return "no layout fits the memory budget (the longest pipeline is kept)"
     if True not in fastest:

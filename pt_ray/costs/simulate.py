@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from pt_ray.cache.policy import CachePolicy
 from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, step_time, transition_time
 from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.core.freeze import build_freeze_policy, frozen_timeline
@@ -149,16 +150,16 @@ def chunks_2021(k: int) -> int:
 
 
 class _RulePlanner:
-    """:class:`pt_ray.core.plan.PaperPlanner` with the paper's cache rule (on from
-    ``cache_from`` frozen blocks) and, for the 2021 code, its micro-batch table."""
+    """:class:`pt_ray.core.plan.PaperPlanner` with a rule planner's cache (on where the cache
+    policy serves: :meth:`pt_ray.cache.policy.CachePolicy.serves`) and, for the 2021 code, its
+    micro-batch table."""
 
-    def __init__(self, inner: PaperPlanner, cache_from: int | None, table: bool) -> None:
-        self.inner, self.cache_from, self.table = inner, cache_from, table
+    def __init__(self, inner: PaperPlanner, cache: CachePolicy, table: bool) -> None:
+        self.inner, self.cache, self.table = inner, cache, table
 
     def _dress(self, plan: Plan) -> Plan:
         m = chunks_2021(plan.pipeline_length) if self.table else plan.num_microbatches
-        cache = self.cache_from is not None and plan.num_frozen >= self.cache_from
-        return replace(plan, num_microbatches=m, cache=cache)
+        return replace(plan, num_microbatches=m, cache=self.cache.serves(plan.num_frozen))
 
     def initial_plan(self) -> Plan:
         return self._dress(self.inner.initial_plan())
@@ -187,20 +188,22 @@ def build_planner(
     cache on from ``cache_from`` frozen blocks (1 with ``cache="on"``); ``elastic=False`` pins
     K and R. ``common``: the other fields of :class:`pt_ray.core.plan.PlanSettings`."""
     settings = PlanSettings(elastic=elastic, **common)
+    policy = CachePolicy(cache, f"cache.mode={cache}")
     if kind == "cost":
-        return CostModelPlanner(num_devices, costs, hw, settings, cache=cache, runtime=runtime,
+        return CostModelPlanner(num_devices, costs, hw, settings, cache=policy, runtime=runtime,
                                 activation_memory_factor=activation_memory_factor,
                                 optimizer_traffic=optimizer_traffic)
-    start = None if cache == "off" else (1 if cache == "on" else cache_from)
+    # The rule planners' cache: on from cache_from frozen blocks (the 2021 code's 3) under auto.
+    rule = replace(policy, min_frozen=cache_from, predicted=False)
     if kind == "paper":
-        return _RulePlanner(PaperPlanner(num_devices, costs, settings), start, table=False)
+        return _RulePlanner(PaperPlanner(num_devices, costs, settings), rule, table=False)
     if kind == "2021":
         params = CostTable.from_param_counts(costs.embed.param_bytes,
                                              [b.param_bytes for b in costs.blocks],
                                              costs.head.param_bytes)
         inner = PaperPlanner(num_devices, params, replace(settings, optimizer_state_factor=1.0),
                              frozen_weight=0.0)
-        return _RulePlanner(inner, start, table=True)
+        return _RulePlanner(inner, rule, table=True)
     raise ValueError(f"planner={kind!r} is not one of 'cost', 'paper', '2021'")
 
 

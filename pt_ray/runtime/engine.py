@@ -40,7 +40,7 @@ from pt_ray.data.sampler import training_sampler
 from pt_ray.models.base import ModelAdapter
 from pt_ray.reporting.steplog import StepRecord
 from pt_ray.reporting.summary import EpochRecord
-from pt_ray.runtime.cache import ActivationStore
+from pt_ray.cache.store import ActivationStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
 from pt_ray.runtime.faults import Faults, stall
@@ -50,7 +50,7 @@ from pt_ray.runtime.migrate import LayerStates
 from pt_ray.runtime.norms import GradNormMeter, merge_block_norms, norm_row
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.probe import probe_for
-from pt_ray.runtime.prefix import cached_prefix_for, epoch_counters, store_figures
+from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_share
 from pt_ray.runtime.records import EpochFigures, StepReports, count_correct, epoch_record
 from pt_ray.runtime.rankstate import RankState

@@ -94,7 +94,7 @@ def epoch_record(comm: Comm, layout: Layout, epoch: int, mine: EpochFigures,
         mine: this rank's figures.
         norms: this rank's block norms of the epoch's last interval.
         cache: the activation cache's counters reduced over the ranks
-            (:func:`pt_ray.runtime.prefix.epoch_counters`).
+            (:func:`pt_ray.cache.prefix.epoch_counters`).
         evaluation: whether the epoch ended with an evaluation, the eval set's size, and this
             rank's seconds scoring it.
         steps: the epoch's steps.

@@ -8,7 +8,7 @@ head. The state tuple (hidden states, plus the attention mask for BERT-family mo
 between stages as the schedule's activations, in the compute dtype (every forward runs under the
 run's autocast; :mod:`pt_ray.runtime.precision`). When the activation cache serves the frozen
 prefix, stage 0 takes that state (computed for the whole replica batch before the schedule,
-:mod:`pt_ray.runtime.prefix`) instead of the model inputs.
+:mod:`pt_ray.cache.prefix`) instead of the model inputs.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
    slice of it (``B / (A R)`` samples), and gradients sum in ``.grad`` across the passes;
 2. stage 0 runs the frozen prefix (``no_grad``, eval mode), or with the activation cache on
    takes it from the cache for the whole replica batch before the schedule
-   (:class:`pt_ray.runtime.prefix.CachedPrefix`), then its active blocks; the schedule
+   (:class:`pt_ray.cache.prefix.CachedPrefix`), then its active blocks; the schedule
    (``gpipe`` or ``1f1b``, M micro-batches) carries states to the last stage, which runs the head
    and the loss; K = 1 runs without a pipeline;
 3. gradients of trained parameters are averaged over the stage's data-parallel group by DDP,
@@ -44,7 +44,7 @@ from pt_ray.runtime.layout import Layout, to_device_batch
 from pt_ray.runtime.norms import GradNormMeter
 from pt_ray.runtime.optim import lr_factor, set_lr
 from pt_ray.runtime.precision import LossScaler
-from pt_ray.runtime.prefix import CachedPrefix
+from pt_ray.cache.prefix import CachedPrefix
 from pt_ray.runtime.sync import clip_grad_norm
 
 __all__ = ["Stepper"]

@@ -27,11 +27,11 @@ from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pt_ray.core.config import RunConfig
-from pt_ray.control.state import cache_policy
 from pt_ray.core.devices import DeviceChoice, choose_devices
 from pt_ray.core.placement import ClusterView, demand_for
-from pt_ray.core.cachesize import resolve_cache_sizes
-from pt_ray.service.cache import (
+from pt_ray.cache.policy import may_turn_on
+from pt_ray.cache.size import resolve_cache_sizes
+from pt_ray.cache.owners import (
     cache_name,
     create_owners,
     object_store_report,
@@ -231,7 +231,7 @@ def run_on_ray(
             view = wait_for_room(demand_for(cfg.pipeline, choice.use_gpu),
                                  cfg.pipeline.placement_timeout_s)
             autoscaler, watch = view.autoscaler, watches_preemption(view)
-        if cache_policy(cfg, deterministic_transform=True).mode != "off":
+        if may_turn_on(cfg):
             # Once, here: the controller's planner and every worker's memo read this figure.
             cfg = resolve_cache_sizes(cfg, store_capacities())
         if on_start is not None:
@@ -326,11 +326,10 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
     ).remote(cfg.model_dump(mode="json"), str((run_dir / "ray" / run_id).resolve()))
     # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
-    # them). Whether the cache may really turn on (the dataset's transform, the planner's
-    # prediction) is decided later; the config alone may already rule it out (cache.mode=off,
-    # nothing freezes).
+    # them). Whether the cache really turns on (the dataset's transform, the planner's
+    # prediction) is decided later; the config alone may already rule it out.
     cache: dict[str, Any] = {}
-    if cache_policy(cfg, deterministic_transform=True).mode != "off":
+    if may_turn_on(cfg):
         cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)
     use_gpu = choice.use_gpu
     trainer, workers = _trainer(cfg, choice, run_dir, run_id, cache, worker_env, autoscaler,

@@ -38,7 +38,7 @@ from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
 from pt_ray.runtime.engine import ElasticWorker, EngineHooks
 from pt_ray.runtime.build import build_model_for
-from pt_ray.service.cache import RayStore
+from pt_ray.cache.owners import RayStore
 from pt_ray.service.controller import RayController
 from pt_ray.reporting.progress import RunProgress
 from pt_ray.reporting.steplog import StepReporter, step_writers

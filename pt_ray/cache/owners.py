@@ -1,9 +1,10 @@
 """The activation cache in Ray's object store: one owner actor per node, and the workers' handle.
 
-An object belongs to the process that ``ray.put`` it and dies with it (``_owner=`` is gone since
-Ray 2.56), and Ray Train's workers die at every restart. So the driver creates one
-:class:`CacheActor` per node that may run a worker (:func:`create_owners`), pinned there
-(node affinity, not soft), beside the controller; each owns the cache objects of its node:
+An object belongs to the process that ``ray.put`` it and dies with it (``ray.put`` takes no
+other owner: its ``_owner=`` argument raises), and Ray Train's workers die at every restart.
+So the driver creates one :class:`CacheActor` per node that may run a worker
+(:func:`create_owners`), pinned there (node affinity, not soft), beside the controller; each
+owns the cache objects of its node:
 
 1. a stage-0 worker ``ray.put`` s the rows it computed, a few MiB per object, into its node's
    store, and hands the reference to its own node's owner without waiting (``put_refs``; a
@@ -11,9 +12,9 @@ Ray 2.56), and Ray Train's workers die at every restart. So the driver creates o
    step), and the rest at the end of the epoch;
 2. the owner reads them from the same node's store (shared memory, no network) and assembles
    the rows of each block at each depth into one object it puts itself
-   (:class:`pt_ray.runtime.cache.BlockIndex`), keeping the index ``(block, depth) -> ref``; a
+   (:class:`pt_ray.cache.store.BlockLedger`), keeping the index ``(block, depth) -> ref``; a
    deeper object releases the shallower ones it covers, and past the budget (a fraction of its
-   own node's object store: :func:`pt_ray.core.cachesize.store_budget`) new rows are refused;
+   own node's object store: :func:`pt_ray.cache.size.store_budget`) new rows are refused;
 3. at the end of an epoch, once every replica's writes have landed, each node's owner copies
    in the objects that other nodes' owners hold and it lacks (``adopt``): one transfer per
    object and node, between epochs rather than inside steps;
@@ -37,7 +38,7 @@ A node without a live owner writes to and reads from another node's owner (remot
 that joined after the start (the driver creates the owners before Ray Train's ``fit`` and
 waits inside it; an owner made by a worker would die with it), or one whose owner died before
 its worker started. The figures count each row once: ``bytes`` and
-``objects`` are the cache's distinct contents (:func:`pt_ray.runtime.cache.distinct_figures`),
+``objects`` are the cache's distinct contents (:func:`pt_ray.cache.store.distinct_figures`),
 ``stored_bytes`` what every node's store holds together, copies included.
 
 Any failure (an owner gone, an object lost or evicted, a timeout) reads as a miss and the
@@ -56,10 +57,10 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pt_ray.core.cachesize import store_budget
+from pt_ray.cache.size import store_budget
 from pt_ray.reporting.logs import setup_logging
-from pt_ray.runtime.cache import (
-    BlockIndex,
+from pt_ray.cache.store import (
+    BlockLedger,
     CacheStats,
     Contents,
     Payload,
@@ -106,7 +107,7 @@ def _store_capacity(info: Mapping[str, Any]) -> int:
 
 def store_capacities() -> list[int]:
     """The object store of each node of :func:`cache_nodes`, in bytes (0 where not reported):
-    the facts :func:`pt_ray.core.cachesize.resolve_cache_sizes` sizes the cache from."""
+    the facts :func:`pt_ray.cache.size.resolve_cache_sizes` sizes the cache from."""
     nodes = set(cache_nodes())
     return [_store_capacity(n) for n in ray.nodes() if n["NodeID"] in nodes]
 
@@ -164,7 +165,7 @@ class CacheActor:
         self.node = ray.get_runtime_context().get_node_id()
         capacity = _store_capacity(_node_info(self.node))
         budget = store_budget(capacity, budget_fraction, budget_bytes)
-        self.index: BlockIndex[ray.ObjectRef] = BlockIndex(budget, put=ray.put, load=ray.get)
+        self.index: BlockLedger[ray.ObjectRef] = BlockLedger(budget, put=ray.put, load=ray.get)
         self.capacity = capacity
         self.reads = {"local_reads": 0, "remote_reads": 0, "dropped_rows": 0,
                       "adopted_objects": 0, "lost_pieces": 0}
@@ -173,7 +174,7 @@ class CacheActor:
 
     def put(self, lineage: int, block: int, block_size: int, level: int, ids: np.ndarray,
             arrays: list[np.ndarray], dtypes: list[str]) -> bool:
-        """Admit rows (see :meth:`BlockIndex.add`); returns whether they were admitted."""
+        """Admit rows (see :meth:`BlockLedger.add`); returns whether they were admitted."""
         # Copies: the arguments are views of the sender's objects, which die with it.
         payload: Payload = (np.array(ids), tuple(np.array(a) for a in arrays), tuple(dtypes))
         return self.index.add(lineage, block, block_size, level, payload)
@@ -281,7 +282,7 @@ class CacheActor:
 
 
 class RayStore:
-    """The worker side: :class:`pt_ray.runtime.cache.ActivationStore` over the owner actors.
+    """The worker side: :class:`pt_ray.cache.store.ActivationStore` over the owner actors.
 
     Writes go to this node's owner, in batches of about ``batch_bytes`` put in the node's
     store. Reads use a snapshot of the owners' indexes, taken at the first read of an epoch

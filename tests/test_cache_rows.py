@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pt_ray.core.config import CacheConfig, build_config
-from pt_ray.runtime.rowtable import RowTable, row_tiers
+from pt_ray.cache.rows import RowTable, row_tiers
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 """How much the activation cache may hold: the one place its ``auto`` sizes are resolved.
 
 Pure module: the facts (each node's object-store capacity) come in as arguments, read by the
-caller from the cluster (:func:`pt_ray.service.cache.store_capacities`). The rule:
+caller from the cluster (:func:`pt_ray.cache.owners.store_capacities`). The rule:
 
 1. Each node's cache owner may fill its store budget: ``cache.budget_bytes``, else
    ``cache.budget_fraction`` of that node's object store (:func:`store_budget`). A store is
@@ -16,7 +16,7 @@ caller from the cluster (:func:`pt_ray.service.cache.store_capacities`). The rul
 The driver resolves the memo once, before the controller and the workers start, and ships the
 figure in the config they all read (:func:`resolve_cache_sizes`). The planner's prediction of a
 cache read (:class:`pt_ray.costs.costmodel.CacheLayout`) and stage 0's memo
-(:class:`pt_ray.runtime.prefix.CachedPrefix`) then use the same number, through
+(:class:`pt_ray.cache.prefix.CachedPrefix`) then use the same number, through
 :func:`memo_limit`, on every rank and after every restart; a worker measuring its own node
 could disagree with the controller, and a plan must be the same everywhere.
 """

@@ -7,11 +7,11 @@ state tuple: hidden states, plus the attention mask for BERT-family models) keye
 
 * :class:`ActivationStore` is the seam: stage 0 reads a step's blocks at once and writes
   behind (a write may be refused and is then a later miss, never an error).
-* :class:`BlockIndex` is the bookkeeping every store shares: it assembles the pieces that
+* :class:`BlockLedger` is the bookkeeping every store shares: it assembles the pieces that
   replicas write into whole-block objects, enforces the byte budget, releases a depth once a
   deeper one covers its samples, and drops entries a restart made stale.
 * :class:`InMemoryStore` keeps the objects in this process (tests, single-process runs); the
-  Ray object-store implementation lives in :mod:`pt_ray.service.cache`.
+  Ray object-store implementation lives in :mod:`pt_ray.cache.owners`.
 
 Rows are stored as numpy arrays in the compute dtype, bit for bit (bfloat16 travels as its
 16-bit pattern), so a hit is exactly the prefix output it replaces.
@@ -29,7 +29,7 @@ import torch
 
 __all__ = [
     "ActivationStore",
-    "BlockIndex",
+    "BlockLedger",
     "CacheStats",
     "Contents",
     "InMemoryStore",
@@ -111,7 +111,7 @@ class CacheStats:
 
 
 Contents = list[tuple[int, int, np.ndarray, int]]
-"""A store's objects as ``(block, depth, sample ids, bytes)`` (:meth:`BlockIndex.contents`)."""
+"""A store's objects as ``(block, depth, sample ids, bytes)`` (:meth:`BlockLedger.contents`)."""
 
 
 def distinct_figures(stores: Sequence[Contents]) -> tuple[int, int]:
@@ -120,7 +120,7 @@ def distinct_figures(stores: Sequence[Contents]) -> tuple[int, int]:
     :class:`CacheStats` counts its copies, so their sum grows with the number of nodes).
 
     Args:
-        stores: per store, its :meth:`BlockIndex.contents`.
+        stores: per store, its :meth:`BlockLedger.contents`.
 
     Returns:
         ``(bytes, objects)``: the distinct rows of each ``(block, depth)`` at that object's bytes
@@ -199,7 +199,7 @@ def _merge(parts: Sequence[Payload]) -> Payload:
     return ids[keep], arrays, parts[0][2]
 
 
-class BlockIndex(Generic[H]):
+class BlockLedger(Generic[H]):
     """The bookkeeping of a block store, over any object handle (an array tuple, a Ray ref).
 
     1. Rows arrive in pieces (each replica writes its share of a block). They wait, counted in
@@ -332,7 +332,7 @@ class InMemoryStore:
     """
 
     def __init__(self, budget_bytes: int = 64 * 2**30) -> None:
-        self.index: BlockIndex[Payload] = BlockIndex(budget_bytes, put=lambda p: p,
+        self.index: BlockLedger[Payload] = BlockLedger(budget_bytes, put=lambda p: p,
                                                      load=lambda p: p)
         self._lineage = 0
 

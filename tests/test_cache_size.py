@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pt_ray.control.state import build_control_state
-from pt_ray.core.cachesize import (
+from pt_ray.cache.size import (
     MEMO_FLOOR_BYTES,
     memo_limit,
     resolve_cache_sizes,
@@ -22,9 +22,9 @@ from pt_ray.costs.costmodel import cache_read_factor
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import training_sampler
 from pt_ray.runtime.build import build_model_for
-from pt_ray.runtime.cache import InMemoryStore
+from pt_ray.cache.store import InMemoryStore
 from pt_ray.runtime.precision import Precision
-from pt_ray.runtime.prefix import cached_prefix_for, epoch_counters, store_figures
+from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, store_figures
 from test_cache import TINY
 
 pytestmark = pytest.mark.unit
@@ -33,7 +33,7 @@ MiB, GiB = 2**20, 2**30
 
 
 def test_the_memo_is_the_smallest_nodes_store_budget_at_least_the_floor(caplog):
-    caplog.set_level(logging.INFO, logger="pt_ray.core.cachesize")
+    caplog.set_level(logging.INFO, logger="pt_ray.cache.size")
     cfg = build_config({})
     assert cfg.cache.worker_memo_bytes == "auto" and memo_limit(cfg.cache) is None
     # Half (budget_fraction) of the smaller of two stores: 6 GiB -> 3 GiB, logged once.

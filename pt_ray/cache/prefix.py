@@ -19,25 +19,28 @@ from __future__ import annotations
 
 import time
 import warnings
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from pt_ray.data.sampler import CacheBlocks
-from pt_ray.models.base import ModelAdapter, State
-from pt_ray.control.state import cache_policy
-from pt_ray.core.cachesize import memo_limit
+from pt_ray.cache.policy import cache_policy
+from pt_ray.cache.rows import RowTable, row_tiers
+from pt_ray.cache.size import memo_limit
+from pt_ray.cache.store import ActivationStore, Segment, from_numpy, to_numpy
 from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import CostTable
-from pt_ray.runtime.cache import ActivationStore, Segment, from_numpy, to_numpy
-from pt_ray.runtime.precision import Precision
-from pt_ray.runtime.rowtable import RowTable, row_tiers
+from pt_ray.data.sampler import CacheBlocks
+from pt_ray.models.base import ModelAdapter, State
 
 __all__ = [
     "CacheCounters",
     "CachedPrefix",
+    "PrefixPrecision",
     "cached_prefix_for",
     "copied_whole",
     "epoch_counters",
@@ -47,6 +50,28 @@ __all__ = [
 ]
 
 Loader = Callable[[np.ndarray], tuple[torch.Tensor, ...]]
+
+
+class PrefixPrecision(Protocol):
+    """What the prefix needs of the run's precision (:class:`pt_ray.runtime.precision.Precision`
+    meets it): the forward's autocast, and the state in the compute dtype it is cached in."""
+
+    def autocast(self) -> AbstractContextManager[object]: ...
+
+    def cast_state(self, state: State) -> State: ...
+
+
+class _FullPrecision:
+    """fp32: no autocast, the state as it is."""
+
+    def autocast(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def cast_state(self, state: State) -> State:
+        return state
+
+
+_FP32 = _FullPrecision()
 
 
 @dataclass
@@ -65,7 +90,7 @@ class CacheCounters:
         compute_s: seconds spent running frozen layers (misses, and advancing older depths).
         uncached_s: estimated seconds the prefix forward would have taken for these rows
             without the cache (its measured forward time per sample at the current depth).
-        tier_hits: hits served from a tier (:mod:`pt_ray.runtime.rowtable`), without the
+        tier_hits: hits served from a tier (:mod:`pt_ray.cache.rows`), without the
             store.
     """
 
@@ -100,7 +125,7 @@ class CachedPrefix:
             dropped first; None: no limit).
         precision: the run's precision: the prefix runs under its autocast and rows are
             cached in its compute dtype (default: fp32).
-        tiers: tables beside the store, device first (:mod:`pt_ray.runtime.rowtable`): rows
+        tiers: tables beside the store, device first (:mod:`pt_ray.cache.rows`): rows
             they hold at the current depth are served from them; rows computed here go into
             them, and reach the store at the end of the epoch (:meth:`flush_pending`).
     """
@@ -113,13 +138,13 @@ class CachedPrefix:
         device: torch.device,
         costs: CostTable | None = None,
         memo_bytes: int | None = None,
-        precision: Precision | None = None,
+        precision: PrefixPrecision | None = None,
         tiers: list[RowTable] | None = None,
     ) -> None:
         self.adapter = adapter
         self.tiers = tiers or []
         self._pending: list[tuple[int, np.ndarray]] = []  # rows held in a tier, not yet stored
-        self.precision = precision or Precision("fp32")
+        self.precision = precision or _FP32
         self.memo_bytes = memo_bytes
         self.store = store
         self.blocks = blocks
@@ -403,7 +428,8 @@ def store_rows(store: ActivationStore, blocks: CacheBlocks, n: int, ids: np.ndar
 
 def cached_prefix_for(cfg: RunConfig, adapter: ModelAdapter, store: ActivationStore | None,
                       num_samples: int, deterministic: bool, device: torch.device,
-                      costs: CostTable | None, precision: Precision) -> CachedPrefix | None:
+                      costs: CostTable | None,
+                      precision: PrefixPrecision) -> CachedPrefix | None:
     """Stage 0's cached prefix for a run, with the tiers its config asks for on ``device``;
     None without a store or when the cache is off (:func:`cache_policy`)."""
     if store is None or cache_policy(cfg, deterministic).mode == "off":
