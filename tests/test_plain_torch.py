@@ -118,8 +118,15 @@ def _train(layers: dict[str, nn.Module], opt: torch.optim.Optimizer, steps: int)
         opt.step()
 
 
+@pytest.fixture
+def own_rng():
+    """The test seeds and restores torch's random state: the tests after it see it as it was."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
 @pytest.mark.unit
-def test_rollback_restores_what_a_plain_loop_saved():
+def test_rollback_restores_what_a_plain_loop_saved(own_rng):
     """A rollback snapshot taken while training (the layer-state codec, the rollback store and
     the optimizer's state carried into a new optimizer, as the engine and the reference do)
     restores, bit for bit (``torch.equal``), what a plain loop saved with ``copy.deepcopy``:
