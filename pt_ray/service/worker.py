@@ -3,8 +3,9 @@
 Ray Train starts one of these per worker with the WORLD process group already formed. Each
 rank builds the model from the run's seed, reaches the controller by name, resumes from Ray
 Train's latest checkpoint when there is one (a failure restart, possibly with a different worker
-count) or else from the stopped run it continues (``resume_from``), and reports metrics and a
-checkpoint every epoch (``ray.train.report`` is a barrier: every rank reports).
+count) or else from the stopped run it continues (``resume_from``), and reports metrics every
+epoch and a checkpoint every ``checkpoint_every`` epochs and after the last
+(``ray.train.report`` is a barrier: every rank reports).
 """
 
 from __future__ import annotations
