@@ -13,7 +13,7 @@ import logging
 import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -24,6 +24,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from pt_ray.core.freeze import POLICIES
+
+if TYPE_CHECKING:
+    PolicyName = str
+else:  # the registry's names, as the Literal type pydantic validates (and lists) choices by
+    PolicyName = Literal[POLICIES]
 
 __all__ = [
     "CacheConfig",
@@ -213,8 +220,9 @@ class DataConfig(_Section):
 class FreezeConfig(_Section):
     """AutoFreeze: when leading blocks stop training."""
 
-    policy: Literal["settled", "probe", "converged", "paper", "schedule", "none"] = "settled"
-    """``probe``: test the next leading blocks on a probe split the run never trains on
+    policy: PolicyName = POLICIES[0]
+    """One of :data:`pt_ray.core.freeze.FREEZE_POLICIES` (the default first).
+    ``probe``: test the next leading blocks on a probe split the run never trains on
     (``probe_samples``) and freeze them when what their updates since the previous decision
     were worth there, projected over the decisions left, is at most ``probe_threshold`` of the
     probe loss;
