@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from pt_ray.core.config import ConfigError, DataConfig
 
 Task = Literal["classification", "question_answering"]
 
@@ -55,6 +58,20 @@ class SampleDataset(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]: ...
+
+
+def data_root(cfg: DataConfig) -> Path:
+    """``data.path``, which a dataset of local files reads.
+
+    Raises:
+        ConfigError: it is unset.
+    """
+    if cfg.path is None:
+        raise ConfigError(
+            f"data.name={cfg.name} reads local files; set data.path to their folder "
+            "(nothing is downloaded)"
+        )
+    return cfg.path
 
 
 @dataclass(frozen=True)
