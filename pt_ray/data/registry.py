@@ -18,7 +18,7 @@ import torch
 
 from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.core.datasets import DATASETS as ENTRIES
-from pt_ray.data.base import DatasetSplits, SubsetDataset, gather_targets
+from pt_ray.data.base import DatasetSplits, SubsetDataset, fast_paths, gather_targets
 
 __all__ = ["DATASETS", "build_dataset", "cap_train", "keep_classes"]
 
@@ -131,8 +131,8 @@ def build_dataset(
     if cfg.num_samples is not None and not entry.generated:
         splits = cap_train(splits, cfg.num_samples, seed)
     logger.info(
-        "data %s: %d train, %d eval samples, task %s, deterministic transform %s",
+        "data %s: %d train, %d eval samples, task %s, deterministic transform %s, fast paths %s",
         cfg.name, len(splits.train), len(splits.eval), splits.task,
-        splits.train.deterministic_transform,
+        splits.train.deterministic_transform, ", ".join(fast_paths(splits.train)) or "none",
     )
     return splits
