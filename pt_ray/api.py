@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pt_ray.core.config import ConfigError, RunConfig, build_config, layer_config, load_config
+from pt_ray.core.datasets import DATASETS
 from pt_ray.reporting.summary import EpochRecord, format_epoch, read_summary, write_summary
 from pt_ray.reporting.files import hold_run_folder, write_text_atomically
 
@@ -346,9 +347,10 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
 def _with_data(cfg: RunConfig, run_dir: Path, train_data: Any, eval_data: Any) -> RunConfig:
     """Step 1b of :func:`fit`: in-memory splits written into the run folder, and the config
     pointed at them."""
-    if cfg.data.name not in ("text_table", "qa_table", "image_table"):
-        raise ConfigError(f"train_data and eval_data are tables: set data.name to text_table, "
-                          f"qa_table or image_table (it is {cfg.data.name})")
+    tables = [name for name, entry in DATASETS.items() if entry.table]
+    if cfg.data.name not in tables:
+        raise ConfigError(f"train_data and eval_data are tables: set data.name to "
+                          f"{', '.join(tables[:-1])} or {tables[-1]} (it is {cfg.data.name})")
     from pt_ray.service.datasets import materialise
 
     return resolve_config(cfg, materialise(run_dir, train_data, eval_data))

@@ -25,6 +25,7 @@ from ray import tune
 
 from pt_ray.core.config import ConfigError, LoggingConfig, PipelineConfig, RunConfig
 from pt_ray.core.devices import choose_devices
+from pt_ray.core.freeze import policy_traits
 from pt_ray.api import resolve_config
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.reporting.tracking import open_sweep_run
@@ -189,7 +190,7 @@ def _plan(config, alphas, grid, overrides, baseline
           ) -> tuple[list[Variant], RunConfig, dict[str, dict[str, Any]]]:
     """The trials and each one's validated config (as JSON-able dicts)."""
     base = resolve_config(config, overrides)
-    if base.freeze.policy == "none":
+    if not policy_traits(base.freeze.policy).freezes:
         raise ConfigError("freeze.policy=none in the base config: an alpha sweep needs a "
                           "freezing policy; use --set freeze.policy=paper (or schedule)")
     variants = build_variants(alphas, grid, baseline)

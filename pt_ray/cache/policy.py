@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from pt_ray.core.config import RunConfig
+from pt_ray.core.freeze import policy_traits
 
 __all__ = ["AUTO", "CachePolicy", "cache_policy", "may_turn_on"]
 
@@ -139,7 +140,7 @@ def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
     c, f = cfg.cache, cfg.freeze
     if c.mode == "off":
         return CachePolicy("off", "cache.mode=off")
-    if f.policy == "none" or f.max_frozen == 0:
+    if not policy_traits(f.policy).freezes or f.max_frozen == 0:
         return CachePolicy("off", f"nothing ever freezes (freeze.policy={f.policy}, "
                                   f"max_frozen={f.max_frozen})")
     if not deterministic_transform and not c.allow_random_transform:

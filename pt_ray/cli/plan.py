@@ -17,7 +17,7 @@ from typing import Any
 from pt_ray.costs.costmodel import RUNTIMES, analytic_costs, list_hardware, load_hardware
 from pt_ray.core.plan import divisors
 from pt_ray.core.shapes import MODEL_SHAPES, model_shape, saved_activation_factor
-from pt_ray.costs.simulate import SimulationResult, simulate
+from pt_ray.costs.simulate import SIMULATED_POLICIES, SimulationResult, simulate
 
 __all__ = ["add_plan_parser", "main", "run_plan"]
 
@@ -64,7 +64,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="fixed_global: the global batch is --batch-size; per_replica: each "
                    "pipeline takes --batch-size (the paper's); default fixed_global")
     f = p.add_argument_group("freezing")
-    f.add_argument("--policy", choices=["schedule", "paper"], default="schedule",
+    f.add_argument("--policy", choices=SIMULATED_POLICIES, default=SIMULATED_POLICIES[0],
                    help="schedule: n(e) = ceil(L (1 - (1 - alpha)^e)); paper: gradient-norm "
                    "rule, needs --grad-norms (default schedule)")
     f.add_argument("--alpha", type=float, default=1 / 3, help="freeze threshold (default 1/3)")

@@ -22,7 +22,8 @@ from pt_ray.cache.size import memo_limit
 from pt_ray.core.config import RunConfig
 from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
-from pt_ray.core.freeze import FreezeGuard, FreezePolicy, build_freeze_policy
+from pt_ray.core.freeze import (FreezeGuard, FreezePolicy, FreezeSettings, policy_class,
+                                policy_traits)
 from pt_ray.costs.hwprofile import HardwareProfile, load_hardware
 from pt_ray.core.plan import (
     CostTable,
@@ -385,14 +386,16 @@ def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
     the ViT-Tiny shape then froze from epoch 10 and lost 3 points on seed 0; ``probe`` counts
     no windows and gets its decisions in runs of any length.) ``paper`` and
     ``schedule`` reproduce rules written per epoch, and ``none`` decides nothing: ``auto`` is
-    per epoch for them. An interval as long as the epoch is per epoch.
+    per epoch for them. Each policy's :attr:`pt_ray.core.freeze.PolicyTraits.auto_interval`
+    says which it gets. An interval as long as the epoch is per epoch.
     """
     f = cfg.freeze
-    if f.interval == "epoch" or (f.interval == "auto" and f.policy in PER_EPOCH_POLICIES):
+    auto = policy_class(f.policy).traits.auto_interval
+    if f.interval == "epoch" or (f.interval == "auto" and auto == "epoch"):
         return None
     if f.interval == "steps":
         k = f.interval_steps
-    elif cfg.epochs >= AUTO_MIN_EPOCHS and f.policy != "probe":
+    elif cfg.epochs >= AUTO_MIN_EPOCHS and auto == "short_runs":
         return None
     else:
         per_epoch = -(-AUTO_DECISIONS // cfg.epochs)
@@ -405,9 +408,6 @@ AUTO_DECISIONS = 16
 
 AUTO_MIN_EPOCHS = 8
 """``freeze.interval=auto`` decides per epoch in runs of at least this many epochs."""
-
-PER_EPOCH_POLICIES = ("paper", "schedule", "none")
-"""Policies that ``freeze.interval=auto`` runs per epoch."""
 
 
 def decisions_per_epoch(cfg: RunConfig, steps_per_epoch: int) -> int:
@@ -425,7 +425,8 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
     per_epoch = decisions_per_epoch(cfg, steps_per_epoch)
     warmup = math.ceil(cfg.warmup_epochs * per_epoch - 1e-9)
     max_frozen = f.max_frozen
-    if pinned_length is not None and f.policy != "none":
+    policy = policy_class(f.policy)
+    if pinned_length is not None and policy.traits.freezes:
         cap = num_layers - pinned_length
         wanted = num_layers - 1 if max_frozen is None else max_frozen
         if wanted > cap:
@@ -433,12 +434,9 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
                         "(freeze.max_frozen %s -> %d)", pinned_length, cap, num_layers,
                         "default" if max_frozen is None else max_frozen, cap)
             max_frozen = cap
-    return build_freeze_policy(
-        f.policy, num_layers=num_layers, alpha=f.alpha, max_frozen=max_frozen, warmup=warmup,
-        ratio=f.converge_ratio, window=f.converge_window, plateau=f.plateau,
-        tolerance=f.settle_tolerance, threshold=f.probe_threshold,
-        decisions=per_epoch * cfg.epochs,
-    )
+    return policy.build(FreezeSettings.from_config(
+        f, num_layers=num_layers, warmup=warmup, decisions=per_epoch * cfg.epochs,
+        max_frozen=max_frozen))
 
 
 GPU_BUSY_BATCH = 32
@@ -509,8 +507,8 @@ def build_control_state(
         return planner
 
     label = "epoch" if decision_interval(cfg, steps_per_epoch) is None else "decision"
-    guard = FreezeGuard(cfg.freeze.guard_points if cfg.freeze.policy != "none" else None,
-                        cfg.freeze.rollback)
+    guard = FreezeGuard(cfg.freeze.guard_points if policy_traits(cfg.freeze.policy).freezes
+                        else None, cfg.freeze.rollback)
     gpu_workers = not (isinstance(hardware, str) and hardware == "local-cpu")
     floor = p.min_device_batch if p.min_device_batch != "auto" else (
         GPU_BUSY_BATCH if gpu_workers else 0)

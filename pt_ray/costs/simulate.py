@@ -28,11 +28,13 @@ from typing import Any, Literal
 from pt_ray.cache.policy import CachePolicy
 from pt_ray.costs.costmodel import PT_RAY, HardwareProfile, Runtime, step_time, transition_time
 from pt_ray.costs.costplan import CostModelPlanner
-from pt_ray.core.freeze import build_freeze_policy, frozen_timeline
+from pt_ray.core.freeze import (FREEZE_POLICIES, ScheduleFreeze, build_freeze_policy,
+                                frozen_timeline, policy_traits)
 from pt_ray.core.plan import CostTable, PaperPlanner, Plan, PlanSettings, replica_batch
 
 __all__ = [
     "SCENARIOS",
+    "SIMULATED_POLICIES",
     "build_planner",
     "chunks_2021",
     "EpochPrediction",
@@ -56,6 +58,13 @@ LABELS = {
     "freeze_autopipe_autodp": "freeze + AutoPipe + AutoDP",
     "all": "freeze + AutoPipe + AutoDP + AutoCache",
 }
+
+
+SIMULATED_POLICIES = tuple(sorted(
+    (name for name, cls in FREEZE_POLICIES.items() if cls.traits.per_epoch and cls.traits.freezes),
+    key=lambda name: name != ScheduleFreeze.name))
+"""The freeze policies a prediction runs (the default first): those whose rule is written per
+epoch, as the prediction goes epoch by epoch, and that freeze (never freezing is the baseline)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +227,7 @@ def simulate(
     batch_policy: Literal["fixed_global", "per_replica"] = "fixed_global",
     initial_pipeline_length: int | None = None,
     schedule: Literal["gpipe", "1f1b"] = "1f1b",
-    freeze_policy: Literal["schedule", "paper"] = "schedule",
+    freeze_policy: str = ScheduleFreeze.name,
     alpha: float = 1 / 3,
     grad_norms: Sequence[Mapping[int, float]] = (),
     frozen: Sequence[int] | None = None,
@@ -246,10 +255,11 @@ def simulate(
         batch_policy: see :class:`pt_ray.core.config.RunConfig`.
         initial_pipeline_length: K0 (None: N for the rule planners, predicted for ``cost``).
         schedule: ``gpipe`` or ``1f1b``.
-        freeze_policy: ``schedule`` (``n(e) = ceil(L (1 - (1 - alpha)^e))``) or ``paper``
-            (needs ``grad_norms``: per epoch, the block norms gathered during it).
+        freeze_policy: one of :data:`SIMULATED_POLICIES`: ``schedule``
+            (``n(e) = ceil(L (1 - (1 - alpha)^e))``) or ``paper`` (needs ``grad_norms``: per
+            epoch, the block norms gathered during it, as every policy that reads norms).
         alpha: the freeze threshold.
-        grad_norms: gradient-norm trace for ``paper``.
+        grad_norms: gradient-norm trace for a policy that reads norms (``paper``).
         frozen: an explicit timeline (n per epoch), overriding the policy.
         max_frozen: most blocks ever frozen (None: L - 1; the 2021 code froze all L).
         planner: ``cost`` (:class:`CostModelPlanner`), ``paper`` (:class:`pt_ray.core.plan.Planner`
@@ -307,7 +317,7 @@ def simulate(
 
 
 def _freeze_timeline(layers: int, epochs: int, frozen: Sequence[int] | None,
-                     freeze_policy: Literal["schedule", "paper"], alpha: float,
+                     freeze_policy: str, alpha: float,
                      max_frozen: int | None, grad_norms: Sequence[Mapping[int, float]]
                      ) -> list[int]:
     """Step 1 of :func:`simulate`: n per epoch, given (``frozen``) or from the freeze policy."""
@@ -317,9 +327,10 @@ def _freeze_timeline(layers: int, epochs: int, frozen: Sequence[int] | None,
             raise ValueError(f"frozen={list(frozen)} must give a non-decreasing n for each of "
                              f"{epochs} epochs")
         return timeline
-    if freeze_policy == "paper" and not grad_norms:
-        raise ValueError("freeze_policy='paper' needs a gradient-norm trace (grad_norms); "
-                         "use freeze_policy='schedule' or pass the norms")
+    if policy_traits(freeze_policy).reads_norms and not grad_norms:
+        raise ValueError(f"freeze_policy={freeze_policy!r} needs a gradient-norm trace "
+                         f"(grad_norms); use freeze_policy={ScheduleFreeze.name!r} or pass the "
+                         "norms")
     policy = build_freeze_policy(freeze_policy, num_layers=layers, alpha=alpha,
                                  max_frozen=max_frozen)
     return frozen_timeline(policy, epochs, grad_norms)

@@ -3,15 +3,26 @@
 Every dataset pt-ray trains on implements :class:`SampleDataset`. The global sampler decides
 which indices a step covers; :func:`gather` turns those indices into one batch. The index travels
 with the sample because it is the activation cache's key.
+
+A dataset may also offer fast paths, each an optional protocol of its own:
+:class:`BatchedSamples` (a whole batch at once), :class:`IndexedTargets` (targets without
+inputs), :class:`StoredSamples` (batches as stored, transformed on the device) and
+:class:`EpochAugmented` (a random transform keyed by the epoch). Callers use them through
+:func:`gather`, :func:`gather_targets`, :func:`gather_stored`, :func:`finish_batch` and
+:func:`set_epoch`, which fall back to the plain protocol; :func:`fast_paths` names those a
+dataset offers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from pt_ray.core.config import ConfigError, DataConfig
 
 Task = Literal["classification", "question_answering"]
 
@@ -57,6 +68,64 @@ class SampleDataset(Protocol):
     def __getitem__(self, index: int) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor]: ...
 
 
+@runtime_checkable
+class BatchedSamples(Protocol):
+    """Fast path: the samples at ``indices`` as one :class:`Batch`, vectorised (datasets held
+    in memory), the same as stacking them one by one."""
+
+    def batch(self, indices: Sequence[int]) -> Batch: ...
+
+
+@runtime_checkable
+class IndexedTargets(Protocol):
+    """Fast path: the targets at ``indices`` (``[B]`` or ``[B, 2]``) without loading the
+    inputs."""
+
+    def targets(self, indices: Sequence[int]) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class StoredSamples(Protocol):
+    """Fast path: batches as the dataset stores them (before its transform) and the transform
+    that finishes them on whichever device they are on:
+    ``finish(stored_batch(i))`` equals :func:`gather`'s batch."""
+
+    def stored_batch(self, indices: Sequence[int]) -> Batch: ...
+
+    def finish(self, batch: Batch) -> Batch: ...
+
+
+@runtime_checkable
+class EpochAugmented(Protocol):
+    """A dataset whose random augmentation depends on the epoch (see :func:`set_epoch`)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+FAST_PATHS: dict[str, type] = {"batch": BatchedSamples, "targets": IndexedTargets,
+                               "stored": StoredSamples, "epoch": EpochAugmented}
+"""The optional protocols by a short name (what :func:`fast_paths` reports)."""
+
+
+def fast_paths(dataset: SampleDataset) -> tuple[str, ...]:
+    """The short names (:data:`FAST_PATHS`) of the fast paths ``dataset`` offers."""
+    return tuple(name for name, proto in FAST_PATHS.items() if isinstance(dataset, proto))
+
+
+def data_root(cfg: DataConfig) -> Path:
+    """``data.path``, which a dataset of local files reads.
+
+    Raises:
+        ConfigError: it is unset.
+    """
+    if cfg.path is None:
+        raise ConfigError(
+            f"data.name={cfg.name} reads local files; set data.path to their folder "
+            "(nothing is downloaded)"
+        )
+    return cfg.path
+
+
 @dataclass(frozen=True)
 class DatasetSplits:
     """A train and an eval split plus what a model builder needs to know about them.
@@ -87,12 +156,11 @@ class DatasetSplits:
 def gather(dataset: SampleDataset, indices: Sequence[int]) -> Batch:
     """Load the samples at ``indices`` as one :class:`Batch`.
 
-    Datasets held in memory may define ``batch(indices) -> Batch`` for a vectorised fast path;
-    others are read sample by sample and stacked.
+    Datasets held in memory offer :class:`BatchedSamples` for a vectorised fast path; others
+    are read sample by sample and stacked.
     """
-    fast = getattr(dataset, "batch", None)
-    if fast is not None:
-        return fast(indices)
+    if isinstance(dataset, BatchedSamples):
+        return dataset.batch(indices)
     samples = [dataset[int(i)] for i in indices]
     idx = torch.tensor([s[0] for s in samples], dtype=torch.int64)
     inputs = tuple(torch.stack([s[1][j] for s in samples]) for j in range(len(samples[0][1])))
@@ -142,22 +210,20 @@ class TensorSampleDataset:
 
 def gather_targets(dataset: SampleDataset, indices: Sequence[int]) -> torch.Tensor:
     """The targets of the samples at ``indices`` (``[B]`` or ``[B, 2]``), without loading their
-    inputs where the dataset can (``targets(indices)``): what pipeline stages after the first
-    read, since only the last one needs anything of the batch."""
-    fast = getattr(dataset, "targets", None)
-    if fast is not None:
-        return fast(indices)
+    inputs where the dataset can (:class:`IndexedTargets`): what pipeline stages after the
+    first read, since only the last one needs anything of the batch."""
+    if isinstance(dataset, IndexedTargets):
+        return dataset.targets(indices)
     return gather(dataset, indices).target
 
 
 def gather_stored(dataset: SampleDataset, indices: Sequence[int]) -> Batch:
     """The samples at ``indices`` as the dataset stores them, before its transform (uint8
     images at their stored size for image datasets), so a loader copies the fewest bytes to the
-    device and :func:`finish_batch` transforms them there. Datasets without a separate
-    transform return :func:`gather`'s batch."""
-    stored = getattr(dataset, "stored_batch", None)
-    if stored is not None:
-        return stored(indices)
+    device and :func:`finish_batch` transforms them there (:class:`StoredSamples`). Datasets
+    without a separate transform return :func:`gather`'s batch."""
+    if isinstance(dataset, StoredSamples):
+        return dataset.stored_batch(indices)
     return gather(dataset, indices)
 
 
@@ -165,8 +231,7 @@ def finish_batch(dataset: SampleDataset, batch: Batch) -> Batch:
     """Model inputs from a :func:`gather_stored` batch, computed on the device its tensors are
     on: ``finish_batch(d, gather_stored(d, i))`` is ``gather(d, i)`` (on the CPU, the same
     operations in the same order). Batches from datasets without a transform pass through."""
-    finish = getattr(dataset, "finish", None)
-    return finish(batch) if finish is not None else batch
+    return dataset.finish(batch) if isinstance(dataset, StoredSamples) else batch
 
 
 def set_epoch(dataset: SampleDataset, epoch: int) -> None:
@@ -175,11 +240,10 @@ def set_epoch(dataset: SampleDataset, epoch: int) -> None:
     Augmented datasets draw each sample's view from ``(seed, epoch, index)``, so every replica
     and the reference trainer see the same view of a sample in an epoch, and the view changes
     from one epoch to the next. Call this at the start of each epoch; datasets without
-    augmentation ignore it.
+    augmentation ignore it (:class:`EpochAugmented` names the method).
     """
-    fn = getattr(dataset, "set_epoch", None)
-    if fn is not None:
-        fn(epoch)
+    if isinstance(dataset, EpochAugmented):
+        dataset.set_epoch(epoch)
 
 
 class SubsetDataset:

@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pt_ray.core.config import ConfigError, first_line
-from pt_ray.data.base import DatasetSplits
+from pt_ray.core.config import ConfigError, DataConfig, first_line
+from pt_ray.core.datasets import MNIST_IDX
+from pt_ray.data.base import DatasetSplits, data_root
 from pt_ray.data.transforms import ImageTransform
 from pt_ray.data.vision import ImageArrayDataset
 
-__all__ = ["IDX_FILES", "load_mnist_idx", "read_idx"]
+__all__ = ["IDX_FILES", "build_mnist_idx", "load_mnist_idx", "read_idx"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,11 @@ def load_mnist_idx(root: str | Path, *, image_size: int | None = None) -> Datase
                                  ImageTransform((mean,), (std,), out_size))
 
     return DatasetSplits(
-        name="mnist_idx", task="classification", train=make(x_train, y_train),
+        name=MNIST_IDX, task="classification", train=make(x_train, y_train),
         eval=make(x_eval, y_eval), num_classes=max(num_classes, 2),
         image_size=image_size or native, in_chans=1)
+
+
+def build_mnist_idx(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=mnist_idx``."""
+    return load_mnist_idx(data_root(cfg), image_size=cfg.image_size)

@@ -1,7 +1,13 @@
-"""Turns a ``DataConfig`` into train and eval splits: one builder per dataset name."""
+"""Turns a ``DataConfig`` into train and eval splits: the builder each dataset's entry names.
+
+The datasets, their traits and where each builder lives are one table in the pure core
+(:data:`pt_ray.core.datasets.DATASETS`), so the config validates names without torch; this
+module resolves each entry's builder (``module:function`` under ``pt_ray.data``).
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -11,13 +17,8 @@ import numpy as np
 import torch
 
 from pt_ray.core.config import ConfigError, DataConfig
-from pt_ray.data.base import DatasetSplits, SubsetDataset, gather_targets
-from pt_ray.data.idx import load_mnist_idx
-from pt_ray.data.synthetic import synthetic_image, synthetic_text
-from pt_ray.data.table_datasets import load_image_table, load_qa_table, load_text_table
-from pt_ray.data.text import load_glue_tsv, load_squad_json
-from pt_ray.data.vision import load_cifar, load_digits, load_imagefolder, load_mnist5k
-from pt_ray.data.wordnet import load_wordnet
+from pt_ray.core.datasets import DATASETS as ENTRIES
+from pt_ray.data.base import DatasetSplits, SubsetDataset, fast_paths, gather_targets
 
 __all__ = ["DATASETS", "build_dataset", "cap_train", "keep_classes"]
 
@@ -25,102 +26,15 @@ logger = logging.getLogger(__name__)
 
 _Builder = Callable[[DataConfig, int, Path | None], DatasetSplits]
 
-SYNTHETIC_NUM_SAMPLES = 2048
-"""Training samples a synthetic dataset generates when ``data.num_samples`` is unset."""
-SYNTHETIC_NUM_EVAL = 512
-"""Eval samples of every synthetic dataset."""
+
+def _resolve(builder: str) -> _Builder:
+    """The function ``module:function`` names under ``pt_ray.data``."""
+    module, _, function = builder.partition(":")
+    return getattr(importlib.import_module(f"pt_ray.data.{module}"), function)
 
 
-def _path(cfg: DataConfig) -> Path:
-    if cfg.path is None:
-        raise ConfigError(
-            f"data.name={cfg.name} reads local files; set data.path to their folder "
-            "(nothing is downloaded)"
-        )
-    return cfg.path
-
-
-def _digits(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
-    return load_digits(image_size=cfg.image_size, seed=seed)
-
-
-def _mnist5k(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
-    return load_mnist5k(image_size=cfg.image_size, seed=seed)
-
-
-def _synthetic_image(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
-    return synthetic_image(
-        cfg.num_samples or SYNTHETIC_NUM_SAMPLES,
-        SYNTHETIC_NUM_EVAL,
-        image_size=cfg.image_size or 16,
-        num_classes=cfg.num_classes or 10,
-        seed=seed,
-    )
-
-
-def _synthetic_text(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
-    return synthetic_text(
-        cfg.num_samples or SYNTHETIC_NUM_SAMPLES,
-        SYNTHETIC_NUM_EVAL,
-        seq_len=cfg.seq_len,
-        num_classes=cfg.num_classes or 4,
-        seed=seed,
-    )
-
-
-def _cifar(classes: int) -> _Builder:
-    def build(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
-        return load_cifar(
-            _path(cfg), classes, image_size=cfg.image_size, augment=cfg.augment, seed=seed
-        )
-
-    return build
-
-
-def _imagefolder(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
-    return load_imagefolder(
-        _path(cfg), image_size=cfg.image_size, augment=cfg.augment, seed=seed,
-        skip_damaged=cfg.skip_damaged,
-    )
-
-
-def _glue(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
-    return load_glue_tsv(_path(cfg), tok, seq_len=cfg.seq_len)
-
-
-def _squad(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
-    return load_squad_json(_path(cfg), tok, seq_len=cfg.seq_len)
-
-
-def _mnist_idx(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
-    return load_mnist_idx(_path(cfg), image_size=cfg.image_size)
-
-
-def _wordnet(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
-    return load_wordnet(_path(cfg), tok, seq_len=cfg.seq_len,
-                        parts_of_speech=cfg.parts_of_speech)
-
-
-DATASETS: dict[str, _Builder] = {
-    "digits": _digits,
-    "mnist5k": _mnist5k,
-    "synthetic_image": _synthetic_image,
-    "synthetic_text": _synthetic_text,
-    "cifar10": _cifar(10),
-    "cifar100": _cifar(100),
-    "imagefolder": _imagefolder,
-    "glue_tsv": _glue,
-    "squad_json": _squad,
-    "text_table": lambda cfg, seed, tok: load_text_table(cfg, tok),
-    "qa_table": lambda cfg, seed, tok: load_qa_table(cfg, tok),
-    "image_table": lambda cfg, seed, tok: load_image_table(cfg, seed),
-    "mnist_idx": _mnist_idx,
-    "wordnet": _wordnet,
-}
+DATASETS: dict[str, _Builder] = {name: _resolve(e.builder) for name, e in ENTRIES.items()}
 """Builder per ``data.name``: ``(cfg, seed, tokenizer_dir) -> DatasetSplits``."""
-
-_AUGMENTABLE = ("cifar10", "cifar100", "imagefolder", "image_table")
-_GENERATED = ("synthetic_image", "synthetic_text")
 
 
 def cap_train(splits: DatasetSplits, num_samples: int, seed: int) -> DatasetSplits:
@@ -202,23 +116,23 @@ def build_dataset(
             are missing (the message gives the expected layout) or cannot be read;
             ``data.classes`` outside the dataset's classes.
     """
-    builder = DATASETS.get(cfg.name)
-    if builder is None:
+    entry = ENTRIES.get(cfg.name)
+    if entry is None:
         raise ConfigError(f"data.name={cfg.name!r} is unknown; choose one of {sorted(DATASETS)}")
-    if cfg.augment and cfg.name not in _AUGMENTABLE:
+    if cfg.augment and not entry.augmentable:
         logger.warning(
             "data.augment=true has no effect on %s (only %s augment)", cfg.name,
-            ", ".join(_AUGMENTABLE),
+            ", ".join(n for n, e in ENTRIES.items() if e.augmentable),
         )
     tok = cfg.tokenizer if cfg.tokenizer is not None else tokenizer_dir
-    splits = builder(cfg, seed, Path(tok) if tok is not None else None)
+    splits = DATASETS[cfg.name](cfg, seed, Path(tok) if tok is not None else None)
     if cfg.classes is not None:
         splits = keep_classes(splits, cfg.classes)
-    if cfg.num_samples is not None and cfg.name not in _GENERATED:
+    if cfg.num_samples is not None and not entry.generated:
         splits = cap_train(splits, cfg.num_samples, seed)
     logger.info(
-        "data %s: %d train, %d eval samples, task %s, deterministic transform %s",
+        "data %s: %d train, %d eval samples, task %s, deterministic transform %s, fast paths %s",
         cfg.name, len(splits.train), len(splits.eval), splits.task,
-        splits.train.deterministic_transform,
+        splits.train.deterministic_transform, ", ".join(fast_paths(splits.train)) or "none",
     )
     return splits

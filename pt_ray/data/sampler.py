@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from pt_ray.core.config import RunConfig
+from pt_ray.core.freeze import policy_traits
 
 __all__ = [
     "CacheBlocks",
@@ -265,9 +266,9 @@ PROBE_MAX_FRACTION = 0.1
 def probe_indices(cfg: RunConfig, num_samples: int) -> np.ndarray:
     """The training samples held out as the probe under ``freeze.policy=probe``: the first
     ``min(freeze.probe_samples, num_samples / 10)`` of a permutation drawn from the seed alone
-    (every epoch, rank and engine holds out the same ones), sorted; empty under other
-    policies."""
-    if cfg.freeze.policy != "probe":
+    (every epoch, rank and engine holds out the same ones), sorted; empty under policies
+    without a probe split (:attr:`pt_ray.core.freeze.PolicyTraits.probe_split`)."""
+    if not policy_traits(cfg.freeze.policy).probe_split:
         return np.zeros(0, dtype=np.int64)
     count = min(cfg.freeze.probe_samples, int(num_samples * PROBE_MAX_FRACTION))
     draw = np.random.default_rng([cfg.seed, 2**20]).permutation(num_samples)[:count]

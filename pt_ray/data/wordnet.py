@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from pt_ray.core.config import ConfigError
-from pt_ray.data.base import DatasetSplits
+from pt_ray.core.config import ConfigError, DataConfig
+from pt_ray.core.datasets import WORDNET
+from pt_ray.data.base import DatasetSplits, data_root
 from pt_ray.data.text import classification_dataset, load_tokenizer
 
-__all__ = ["LEXNAMES", "WORDNET_DEV_SIZE", "WORDNET_POS", "Gloss", "dev_keys", "load_wordnet",
-           "read_glosses"]
+__all__ = ["LEXNAMES", "WORDNET_DEV_SIZE", "WORDNET_POS", "Gloss", "build_wordnet", "dev_keys",
+           "load_wordnet", "read_glosses"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,12 @@ def load_wordnet(
     logger.info("wordnet %s (%s): %d train, %d dev glosses, %d classes (%s .. %s)", root,
                 ", ".join(parts_of_speech), len(splits["train"]), len(splits["dev"]),
                 len(files), LEXNAMES[files[0]], LEXNAMES[files[-1]])
-    return DatasetSplits(name="wordnet", task="classification", train=splits["train"],
+    return DatasetSplits(name=WORDNET, task="classification", train=splits["train"],
                          eval=splits["dev"], num_classes=max(len(files), 2), seq_len=seq_len,
                          vocab_size=len(tokenizer))
+
+
+def build_wordnet(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
+    """``data.name=wordnet``."""
+    return load_wordnet(data_root(cfg), tok, seq_len=cfg.seq_len,
+                        parts_of_speech=cfg.parts_of_speech)

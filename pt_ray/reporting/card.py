@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pt_ray.core.datasets import DATASETS
 from pt_ray.reporting.summary import ideal_speedup
 
 __all__ = ["CARD", "model_card", "speedup_estimate"]
@@ -78,7 +79,8 @@ def model_card(summary: Mapping[str, Any], load_python: str) -> str:
     cfg = summary["config"]
     timeline = summary["timeline"]
     model, data = cfg["model"], cfg["data"]
-    task = ("question-answering" if data["name"] in ("squad_json", "qa_table")
+    entry = DATASETS.get(data["name"])
+    task = ("question-answering" if entry is not None and entry.question_answering
             else _TASKS[model["family"]])
     base = (f"fine-tuned from `{model['weights']}`" if model.get("weights")
             else "trained from a random initialisation")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from pt_ray.core.config import RunConfig
+from pt_ray.core.freeze import policy_traits
 from pt_ray.core.plan import Plan, is_trainable, replica_batch
 from pt_ray.data.base import DatasetSplits, gather
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
@@ -153,7 +154,7 @@ class Layout:
         """Per-block norm bookkeeping, and DDP (K = 1) or the pipeline schedule (K > 1)."""
         stage = self.topo.stage
         self.block_index = None
-        if self.cfg.freeze.policy != "none":
+        if policy_traits(self.cfg.freeze.policy).freezes:
             # Per-block norms feed freeze decisions only: a run that never freezes skips them.
             first, end = plan.boundaries[stage], plan.boundaries[stage + 1]
             self.block_index = BlockIndex(

@@ -46,6 +46,7 @@ from pt_ray.core.freeze import (
     PROBE_REVERTED,
     FreezeGuard,
     FreezePolicy,
+    policy_traits,
 )
 from pt_ray.models.base import (
     ModelAdapter,
@@ -233,7 +234,8 @@ class ReferenceTrainer:
         self.scaler = LossScaler() if self.precision.scaled else None
         self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
         f = cfg.freeze
-        self.guard = FreezeGuard(f.guard_points if f.policy != "none" else None, f.rollback)
+        self.guard = FreezeGuard(f.guard_points if policy_traits(f.policy).freezes else None,
+                                 f.rollback)
         self.rollback = Rollback()
         self.rollbacks: list[dict] = []
         # Decisions are counted as the engine counts them: one opens each epoch, one more every

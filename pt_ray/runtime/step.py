@@ -31,6 +31,7 @@ from pt_ray.core.config import RunConfig
 from pt_ray.data.base import (
     Batch,
     DatasetSplits,
+    StoredSamples,
     finish_batch,
     gather_stored,
     gather_targets,
@@ -257,7 +258,7 @@ class Stepper:
         does not depend on the epoch (stored reads, or no augmentation); else stop."""
         train = self.splits.train
         if next_steps is not None and (train.deterministic_transform
-                                       or hasattr(train, "stored_batch")):
+                                       or isinstance(train, StoredSamples)):
             self.prefetch(next_steps)
         else:
             self.close_prefetch()
