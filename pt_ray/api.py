@@ -158,7 +158,8 @@ def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str |
     out = run_dir / MODEL_DIR
     try:
         if adapter is not None:
-            export_adapter(cfg, adapter, out, f"run {cfg.name!r} in {run_dir}")
+            export_adapter(adapter, out, f"run {cfg.name!r} in {run_dir}", model=cfg.model,
+                           tokenizer=cfg.data.tokenizer)
         elif checkpoint is not None:
             export_checkpoint(cfg, checkpoint, out)
         else:

@@ -41,7 +41,8 @@ from pt_ray.data.base import (
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import accumulation_chunks, probe_indices, training_sampler
-from pt_ray.control.state import policy_for, start_pipeline_length
+from pt_ray.control.state import policy_for
+from pt_ray.core.plan import start_pipeline_length
 from pt_ray.core.freeze import (
     PROBE_NOW,
     PROBE_REVERTED,
@@ -201,7 +202,8 @@ def build_reference(
     sampler = training_sampler(cfg, len(splits.train))
     # With the pipeline pinned (pipeline.elastic=false) the Ray run freezes at most L - K0.
     layers, workers = adapter.num_layers, cfg.pipeline.num_workers
-    pinned = None if cfg.pipeline.elastic else start_pipeline_length(cfg, layers, workers)
+    pinned = (None if cfg.pipeline.elastic
+              else start_pipeline_length(cfg.pipeline.pipeline_length, layers, workers))
     policy = policy or policy_for(cfg, layers, sampler.steps_per_epoch, pinned_length=pinned)
     return ReferenceTrainer(reference_settings(cfg, sampler.steps_per_epoch), splits=splits,
                             adapter=adapter, policy=policy, sampler=sampler,
