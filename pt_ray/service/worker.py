@@ -222,10 +222,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             at_step(epoch, step)
 
     steps = _step_reporter(cfg, rank, config.get("run_dir"))
+    hooks = fault_hooks(fault, EngineHooks(on_step=on_step, on_step_report=steps))
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, store=store,
-                           hooks=fault_hooks(fault, EngineHooks(on_step=on_step,
-                                                                on_step_report=steps)))
+                           device=device, store=store, hooks=hooks)
     controller.setup(adapter.num_layers, world, worker.sampler.steps_per_epoch,
                      adapter.metric_name, _hardware(cfg, device, rank),
                      splits.train.deterministic_transform)
