@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -122,15 +122,20 @@ class EpochFigures:
     store_objects: float
     memory: tuple[float, ...]
 
+    @classmethod
+    def _scalars(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "memory"]
+
     def row(self) -> list[float]:
-        """The figures as the gather carries them."""
-        return [float(v) for v in astuple(self)[:-1]] + list(self.memory)
+        """The figures as the gather carries them: the numbers by name, then the memory row."""
+        return [float(getattr(self, name)) for name in self._scalars()] + list(self.memory)
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> EpochFigures:
         """The figures of a gathered :meth:`row` (its first values; the rest is ignored)."""
-        n = len(fields(cls)) - 1
-        return cls(*row[:n], memory=tuple(row[n:n + len(FIELDS)]))
+        scalars = cls._scalars()
+        n = len(scalars)
+        return cls(**dict(zip(scalars, row[:n])), memory=tuple(row[n:n + len(FIELDS)]))
 
 
 def epoch_record(comm: Comm, layout: Layout, epoch: int, mine: EpochFigures,
