@@ -24,11 +24,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import OptimizerConfig, RunConfig
 from pt_ray.data.sampler import GlobalSampler
 from pt_ray.data.base import (
     Batch,
@@ -41,7 +43,7 @@ from pt_ray.data.base import (
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import accumulation_chunks, probe_indices, training_sampler
-from pt_ray.control.state import policy_for
+from pt_ray.control.state import decision_interval, policy_for
 from pt_ray.core.plan import start_pipeline_length
 from pt_ray.core.freeze import (
     PROBE_NOW,
@@ -62,7 +64,6 @@ from pt_ray.runtime.layerstate import capture_layers, load_layers_into
 from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
 from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
 from pt_ray.runtime.rollback import Rollback
-from pt_ray.runtime.settings import ReferenceSettings, reference_settings
 from pt_ray.runtime.clipping import clip_grad_norm
 from pt_ray.runtime.optim import (
     adopt_states,
@@ -75,7 +76,7 @@ from pt_ray.runtime.optim import (
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["ReferenceProbe", "ReferenceTrainer", "build_reference", "evaluate"]
+__all__ = ["ReferenceProbe", "ReferenceSettings", "ReferenceTrainer", "build_reference", "evaluate"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,44 @@ class ReferenceProbe:
         return total / len(self.indices)
 
 
+@dataclass(frozen=True)
+class ReferenceSettings:
+    """What the reference trainer is told about the run (:class:`ReferenceTrainer`).
+
+    Attributes:
+        optimizer: the optimizer's section.
+        epochs: epochs of the run.
+        batch_size: B, the global batch.
+        eval_batch_size: samples per evaluation forward.
+        loader_workers: background processes that read the samples (``data.num_workers``).
+        activation_checkpointing: recompute the trainable blocks in the backward, as the
+            engine's stages do.
+        precision: ``precision`` (``auto``: fp32 in one CPU process).
+        guard_points: the accuracy guard's tolerance (None: no guard).
+        rollback: ``freeze.rollback``: the guard returns to the start of a harmful freeze's
+            epoch.
+        eval_epochs: the epochs (from 0) that end with an evaluation.
+        every_steps: ``logging.every_steps`` (0: no step reports).
+        interval: steps between the decisions inside an epoch (None: one per epoch;
+            :func:`pt_ray.control.state.decision_interval`).
+        total_samples: the run's training samples (the learning-rate schedule's length).
+    """
+
+    optimizer: OptimizerConfig
+    epochs: int
+    batch_size: int
+    eval_batch_size: int
+    loader_workers: int
+    activation_checkpointing: bool
+    precision: Literal["auto", "fp32", "bf16", "fp16"]
+    guard_points: float | None
+    rollback: bool
+    eval_epochs: frozenset[int]
+    every_steps: int
+    interval: int | None
+    total_samples: int
+
+
 def build_reference(
     cfg: RunConfig,
     *,
@@ -205,8 +244,19 @@ def build_reference(
     pinned = (None if cfg.pipeline.elastic
               else start_pipeline_length(cfg.pipeline.pipeline_length, layers, workers))
     policy = policy or policy_for(cfg, layers, sampler.steps_per_epoch, pinned_length=pinned)
-    return ReferenceTrainer(reference_settings(cfg, sampler.steps_per_epoch), splits=splits,
-                            adapter=adapter, policy=policy, sampler=sampler,
+    f, steps = cfg.freeze, sampler.steps_per_epoch
+    settings = ReferenceSettings(
+        optimizer=cfg.optimizer, epochs=cfg.epochs, batch_size=cfg.data.batch_size,
+        eval_batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+        loader_workers=cfg.data.num_workers,
+        activation_checkpointing=cfg.pipeline.activation_checkpointing,
+        precision=cfg.precision, guard_points=f.guard_points if f.policy != "none" else None,
+        rollback=f.rollback,
+        eval_epochs=frozenset(e for e in range(cfg.epochs) if cfg.evaluates_after(e)),
+        every_steps=cfg.logging.every_steps, interval=decision_interval(cfg, steps),
+        total_samples=cfg.epochs * steps * cfg.data.batch_size)
+    return ReferenceTrainer(settings, splits=splits, adapter=adapter, policy=policy,
+                            sampler=sampler,
                             probe_samples=probe_indices(cfg, len(splits.train)),
                             on_step_report=on_step_report)
 

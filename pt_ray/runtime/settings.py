@@ -1,11 +1,12 @@
-"""What each part of the torch runtime is told about the run: small frozen settings, built once
-from the config (as the planners take :class:`pt_ray.core.plan.PlanSettings`).
+"""What each part of the engine is told about the run: small frozen settings, built once from
+the config (as the planners take :class:`pt_ray.core.plan.PlanSettings`).
 
 The engine's parts (:class:`pt_ray.runtime.step.Stepper`, :class:`pt_ray.runtime.layout.Layout`,
-:class:`pt_ray.runtime.rankstate.RankState`) and the reference trainer each keep their own
-settings, never the whole :class:`pt_ray.core.config.RunConfig`: a part's settings name every
-field of the run it reads. :func:`engine_settings` and :func:`reference_settings` are the only
-places here that read the config.
+:class:`pt_ray.runtime.rankstate.RankState`) each keep their own settings, never the whole
+:class:`pt_ray.core.config.RunConfig`: a part's settings name every field of the run it reads.
+:func:`engine_settings` is the one place that reads the config for them (the reference trainer's
+:class:`pt_ray.runtime.reference.ReferenceSettings` come from
+:func:`pt_ray.runtime.reference.build_reference` alike).
 """
 
 from __future__ import annotations
@@ -13,17 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pt_ray.control.state import decision_interval
 from pt_ray.core.config import OptimizerConfig, RunConfig
 
 __all__ = [
     "EngineSettings",
     "LayoutSettings",
     "RankSettings",
-    "ReferenceSettings",
     "StepSettings",
     "engine_settings",
-    "reference_settings",
 ]
 
 BatchPolicy = Literal["fixed_global", "per_replica"]
@@ -140,58 +138,3 @@ def engine_settings(cfg: RunConfig, steps_per_epoch: int) -> EngineSettings:
         eval_batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
         eval_epochs=frozenset(e for e in range(cfg.epochs) if cfg.evaluates_after(e)),
         every_steps=cfg.logging.every_steps)
-
-
-@dataclass(frozen=True)
-class ReferenceSettings:
-    """What the reference trainer needs (:class:`pt_ray.runtime.reference.ReferenceTrainer`).
-
-    Attributes:
-        optimizer: the optimizer's section.
-        epochs: epochs of the run.
-        batch_size: B, the global batch.
-        eval_batch_size: samples per evaluation forward.
-        loader_workers: background processes that read the samples (``data.num_workers``).
-        activation_checkpointing: recompute the trainable blocks in the backward, as the
-            engine's stages do.
-        precision: ``precision`` (``auto``: fp32 in one CPU process).
-        guard_points: the accuracy guard's tolerance (None: no guard).
-        rollback: ``freeze.rollback``: the guard returns to the start of a harmful freeze's
-            epoch.
-        eval_epochs: the epochs (from 0) that end with an evaluation.
-        every_steps: ``logging.every_steps`` (0: no step reports).
-        interval: steps between the decisions inside an epoch (None: one per epoch;
-            :func:`pt_ray.control.state.decision_interval`).
-        total_samples: the run's training samples (the learning-rate schedule's length).
-    """
-
-    optimizer: OptimizerConfig
-    epochs: int
-    batch_size: int
-    eval_batch_size: int
-    loader_workers: int
-    activation_checkpointing: bool
-    precision: Literal["auto", "fp32", "bf16", "fp16"]
-    guard_points: float | None
-    rollback: bool
-    eval_epochs: frozenset[int]
-    every_steps: int
-    interval: int | None
-    total_samples: int
-
-
-def reference_settings(cfg: RunConfig, steps_per_epoch: int) -> ReferenceSettings:
-    """The reference trainer's settings for ``cfg``, whose sampler takes ``steps_per_epoch``
-    steps an epoch."""
-    f = cfg.freeze
-    return ReferenceSettings(
-        optimizer=cfg.optimizer, epochs=cfg.epochs, batch_size=cfg.data.batch_size,
-        eval_batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-        loader_workers=cfg.data.num_workers,
-        activation_checkpointing=cfg.pipeline.activation_checkpointing,
-        precision=cfg.precision, guard_points=f.guard_points if f.policy != "none" else None,
-        rollback=f.rollback,
-        eval_epochs=frozenset(e for e in range(cfg.epochs) if cfg.evaluates_after(e)),
-        every_steps=cfg.logging.every_steps,
-        interval=decision_interval(cfg, steps_per_epoch),
-        total_samples=cfg.epochs * steps_per_epoch * cfg.data.batch_size)
