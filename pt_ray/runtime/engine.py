@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pt_ray.control.state import decision_interval
 from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import CostTable, Plan
 from pt_ray.data.base import DatasetSplits, set_epoch
@@ -160,7 +159,7 @@ class ElasticWorker:
         # it (decide every k steps), and the interval that an epoch's end closes feeds the
         # next epoch's first. A rollback's plan is the next decision like any other.
         self.decision = 0
-        self.interval = decision_interval(cfg, self.sampler.steps_per_epoch)
+        self.interval = settings.interval
         self.state = RankState(settings.rank, self.layout, self.stepper, self.norms, self.scaler,
                                self.hooks.on_shard)
         # The model stays on the host, where the adapter built it, until the first plan says

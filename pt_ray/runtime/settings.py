@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pt_ray.control.state import decision_interval
 from pt_ray.core.config import OptimizerConfig, RunConfig
 
 __all__ = [
@@ -96,6 +97,8 @@ class EngineSettings:
         eval_batch_size: samples per evaluation forward.
         eval_epochs: the epochs (from 0) that end with an evaluation.
         every_steps: ``logging.every_steps`` (0: no step reports).
+        interval: steps between the decisions inside an epoch (None: one per epoch;
+            :func:`pt_ray.control.state.decision_interval`).
     """
 
     step: StepSettings
@@ -106,6 +109,7 @@ class EngineSettings:
     eval_batch_size: int
     eval_epochs: frozenset[int]
     every_steps: int
+    interval: int | None
 
     @property
     def batch_policy(self) -> BatchPolicy:
@@ -137,4 +141,5 @@ def engine_settings(cfg: RunConfig, steps_per_epoch: int) -> EngineSettings:
         epochs=cfg.epochs, batch_size=cfg.data.batch_size,
         eval_batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
         eval_epochs=frozenset(e for e in range(cfg.epochs) if cfg.evaluates_after(e)),
-        every_steps=cfg.logging.every_steps)
+        every_steps=cfg.logging.every_steps,
+        interval=decision_interval(cfg, steps_per_epoch))
