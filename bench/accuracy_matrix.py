@@ -334,12 +334,12 @@ def run_cell(overrides: list[str]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from pt_ray.runtime.reference import ReferenceTrainer
+    from pt_ray.runtime.reference import build_reference
     from pt_ray.reporting.summary import ideal_speedup
 
     cfg = load_config(default_config_path(), overrides)
     t0, c0 = time.perf_counter(), time.process_time()
-    timeline = ReferenceTrainer(cfg).fit()
+    timeline = build_reference(cfg).fit()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     metrics = [None if math.isnan(r.eval_metric) else r.eval_metric for r in timeline]
     return {

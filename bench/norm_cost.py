@@ -5,7 +5,7 @@ samples, as at R = 2), interleaved in alternating order so machine noise spreads
 
   no norms        clipping only (what ``freeze.policy=none`` and the peer do)
   block by block  ``block_grad_norms`` (one norm pass per block), then clipping
-  one pass        ``clip_grad_norm(..., blocks=BlockIndex)``: the per-block norms come from the
+  one pass        ``clip_grad_norm(..., blocks=ParamBlocks)``: the per-block norms come from the
                   per-parameter norms the clipping computes anyway (what the engine does)
 
 Prints the total seconds of each and the overhead against no norms. Usage:
@@ -24,8 +24,8 @@ from pt_ray.api import default_config_path
 from pt_ray.core.config import load_config
 from pt_ray.data.base import gather
 from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
-from pt_ray.runtime.reference import ReferenceTrainer
-from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
+from pt_ray.runtime.reference import build_reference
+from pt_ray.runtime.clipping import ParamBlocks, clip_grad_norm
 
 
 def main() -> None:
@@ -34,14 +34,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    trainer = ReferenceTrainer(load_config(default_config_path(), ["engine=reference"]))
+    trainer = build_reference(load_config(default_config_path(), ["engine=reference"]))
     a = trainer.adapter
     batch = gather(trainer.splits.train, list(range(16)))
     params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
-    index = BlockIndex(params, {i: list(a.blocks[i].parameters()) for i in range(a.num_layers)},
+    index = ParamBlocks(params, {i: list(a.blocks[i].parameters()) for i in range(a.num_layers)},
                        0, a.num_layers, torch.device("cpu"))
     meter = GradNormMeter()
-    clip = trainer.cfg.optimizer.grad_clip
+    clip = trainer.settings.optimizer.grad_clip
 
     def step(mode: str) -> None:
         state = a.embed(*batch.inputs)

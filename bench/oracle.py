@@ -91,7 +91,7 @@ def _cell_record(trainer, timeline, seed: int, k: int, step: int, wall: float) -
     from pt_ray.reporting.summary import ideal_speedup
 
     return {"seed": seed, "frozen": k, "from_step": step,
-            "from_fraction": step / trainer.sampler.steps_per_epoch / trainer.cfg.epochs,
+            "from_fraction": step / trainer.sampler.steps_per_epoch / trainer.settings.epochs,
             "metric": timeline[-1].eval_metric, "wall_s": wall,
             "bound_cached": ideal_speedup(timeline, cached=True),
             "bound": ideal_speedup(timeline),
@@ -106,18 +106,17 @@ def run_seed(overrides: list[str], seed: int, args: argparse.Namespace, out: Pat
     torch.set_num_threads(1)
     from pt_ray.api import default_config_path
     from pt_ray.core.config import load_config
-    from pt_ray.runtime.reference import ReferenceTrainer
+    from pt_ray.runtime.reference import build_reference
 
     cells = out / "cells"
     cells.mkdir(parents=True, exist_ok=True)
     cfg = load_config(default_config_path(), [
         *overrides, *args.set, "freeze.policy=none", f"seed={seed}", "freeze.guard_points=null",
         "freeze.interval=steps"])
-    trainer = ReferenceTrainer(cfg)
+    trainer = build_reference(cfg)
     total = trainer.sampler.steps_per_epoch * cfg.epochs
     cfg = cfg.model_copy(update={"freeze": cfg.freeze.model_copy(
         update={"interval_steps": max(1, math.ceil(args.interval * total))})})
-    trainer.cfg = cfg
     from pt_ray.control.state import decision_interval
 
     trainer.interval = decision_interval(cfg, trainer.sampler.steps_per_epoch)

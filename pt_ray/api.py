@@ -159,7 +159,8 @@ def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str |
     out = run_dir / MODEL_DIR
     try:
         if adapter is not None:
-            export_adapter(cfg, adapter, out, f"run {cfg.name!r} in {run_dir}")
+            export_adapter(adapter, out, f"run {cfg.name!r} in {run_dir}", model=cfg.model,
+                           tokenizer=cfg.data.tokenizer)
         elif checkpoint is not None:
             export_checkpoint(cfg, checkpoint, out)
         else:
@@ -410,7 +411,7 @@ def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter
     """Step 3 of :func:`fit` on the reference engine: train the preflight's dataset and model
     in this process."""
     start(cfg)
-    from pt_ray.runtime.reference import ReferenceTrainer
+    from pt_ray.runtime.reference import build_reference
 
     from pt_ray.reporting.steplog import StepReporter, step_writers
 
@@ -418,7 +419,7 @@ def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter
     writer = step_writers(run_dir, cfg.logging.tensorboard, bool(cfg.logging.mlflow))
     steps = StepReporter(writer=writer) if writer is not None else None
     # The preflight's dataset and model: built once, in the order the trainer builds them.
-    trainer = ReferenceTrainer(cfg, splits=splits, adapter=adapter, on_step_report=steps)
+    trainer = build_reference(cfg, splits=splits, adapter=adapter, on_step_report=steps)
     metric_name = trainer.adapter.metric_name
 
     def report(rec: EpochRecord) -> None:

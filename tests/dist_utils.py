@@ -62,3 +62,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                 if p.is_alive():
                     p.kill()
     return [results[r] for r in range(world)]
+
+
+def written_layers(worker: Any) -> dict[str, dict[str, Any]]:
+    """The parameters of the layers an engine's rank writes into checkpoints, as its
+    checkpoint shard captures them (``Layout.primary_layers``), detached copies on the CPU."""
+    from pt_ray.runtime.layerstate import capture_layers
+
+    layout = worker.layout
+    entries = capture_layers(layout.modules, layout.primary_layers(), (), None, copy=True)
+    return {name: entry["params"] for name, entry in entries.items()}

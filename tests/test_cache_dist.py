@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, written_layers
 from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
@@ -44,12 +44,12 @@ def train_rank(rank, world, cfg, use_store):
                            costs=CostTable.from_param_counts(1.0, [1.0] * adapter.num_layers, 1.0),
                            store=store)
     losses = []
-    step = worker.train_step
-    worker.train_step = lambda indices: losses.append(step(indices)) or losses[-1]
+    step = worker.stepper.step
+    worker.stepper.step = lambda indices: losses.append(step(indices)) or losses[-1]
     timeline = worker.fit()
     counters = worker.prefix.total if worker.prefix is not None else None
     tiers = [t.served for t in worker.prefix.tiers] if worker.prefix is not None else []
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return {"states": states, "timeline": timeline, "losses": losses, "counters": counters,
             "tiers": tiers}

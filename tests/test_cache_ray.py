@@ -21,7 +21,7 @@ from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers
 from pt_ray.cache.prefix import CachedPrefix
 from pt_ray.runtime.build import build_model_for
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 from pt_ray.cache.owners import CacheActor, RayStore, store_capacities
 from pt_ray.service.trainer import run_on_ray
 from conftest import SESSION_RAY
@@ -233,7 +233,7 @@ def test_tiny_job_with_the_cache_hits_after_the_freeze_and_ends_on_the_reference
     assert run.cache["objects"] == 8 and run.cache["refused_rows"] == 0
     assert "spilled_bytes" in run.cache["object_store"]
 
-    reference = ReferenceTrainer(job(tmp_path, engine="reference"))
+    reference = build_reference(job(tmp_path, engine="reference"))
     reference.fit()
     layers, _ = load_layers(run.checkpoint_path, layer_names(4))
     worst = max(float((layers[name]["params"][k] - v).abs().max())

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, written_layers
 from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.core.plan import Plan
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 from pt_ray.runtime.stages import StageModule
 from test_engine_dist import VIT, assert_same_parameters, config, costs_for
 
@@ -45,7 +45,7 @@ def train_reference(cfg):
     """Per-step losses and final parameters of a reference run (dropout draws from torch's
     global generator, seeded the same for every run)."""
     torch.manual_seed(0)
-    trainer = ReferenceTrainer(cfg)
+    trainer = build_reference(cfg)
     losses = []
     step = trainer.train_step
     trainer.train_step = lambda batch: losses.append(step(batch)) or losses[-1]
@@ -65,7 +65,7 @@ def test_reference_with_checkpointing_trains_exactly_as_without(base):
         assert torch.equal(value, ckpt[1][name]), name
     # Dropout is on (two forwards of one batch differ), so the equality rests on the
     # recompute drawing the same masks as the first forward.
-    trainer = ReferenceTrainer(reference_config(base, True))
+    trainer = build_reference(reference_config(base, True))
     batch = trainer.splits.train.batch(list(range(16)))
     with torch.no_grad():
         assert float(trainer._loss(batch)) != float(trainer._loss(batch))
@@ -163,7 +163,7 @@ def train_rank_counting_forwards(rank, world, cfg):
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, counts
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, written_layers
 from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
@@ -21,7 +21,7 @@ from pt_ray.models.base import iter_layers
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -154,7 +154,7 @@ def inject_inf_run(rank, world, cfg, target_rank, bad_step):
     for step in range(4):
         step_box[0] = step
         before = {n: [p.detach().clone() for p in worker.modules[n].parameters()] for n in names}
-        worker.train_step(order[step * 16:(step + 1) * 16])
+        worker.stepper.step(order[step * 16:(step + 1) * 16])
         after = {n: list(worker.modules[n].parameters()) for n in names}
         moved.append(any(not torch.equal(b, a) for n in names
                          for b, a in zip(before[n], after[n])))
@@ -184,7 +184,7 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank():
 def train_states(rank, world, cfg):
     worker = make_worker(cfg, world)
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline
 
@@ -197,7 +197,7 @@ def merged_parameters(results):
 
 
 def reference_parameters(cfg):
-    trainer = ReferenceTrainer(cfg)
+    trainer = build_reference(cfg)
     timeline = trainer.fit()
     return {n: m.state_dict() for n, m in iter_layers(trainer.adapter)}, timeline
 

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from datafiles import write_cifar10
-from dist_utils import run_ranks
+from dist_utils import run_ranks, written_layers
 from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import training_sampler
 from pt_ray.core.plan import CostTable
-from pt_ray.runtime.engine import ElasticWorker, LocalController
+from pt_ray.runtime.engine import ElasticWorker, EngineHooks, LocalController
 from pt_ray.runtime.build import build_model_for
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -55,7 +55,7 @@ def train_rank(rank, world, cfg):
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline
 
@@ -73,13 +73,13 @@ def train_rank_counting_passes(rank, world, cfg):
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, rows
 
 
 def reference_layers(cfg):
-    trainer = ReferenceTrainer(cfg)
+    trainer = build_reference(cfg)
     timeline = trainer.fit()
     from pt_ray.models.base import iter_layers
 
@@ -234,7 +234,7 @@ def resume_and_finish(rank, world, cfg, directory):
                            controller=LocalController(control))
     first = worker.restore(Path(directory), plan)
     timeline = worker.fit(first_epoch=first)
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline
 
@@ -264,7 +264,7 @@ def resume_fused(rank, world, cfg, directory):
     timeline = worker.fit(first_epoch=first)
     opt = worker.optimizer
     steps_placed = all(st["step"].device == p.device for p, st in opt.state.items())
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, bool(opt.defaults.get("fused")), steps_placed
 
@@ -317,7 +317,7 @@ def train_rank_prefetching(rank, world, cfg):
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, worker.stepper.prefetched, worker.stepper.kept_ahead
 
@@ -353,12 +353,13 @@ def guarded_rank(rank, world, cfg, metrics):
     adapter = build_model_for(cfg, splits)
     control = build_control_state(cfg, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
-                           controller=LocalController(control), costs=costs_for(adapter.num_layers))
     # Each rank counts its share: the counts summed over the ranks give the scripted metric.
-    worker.count_correct = lambda: (metrics[worker._epoch] * len(splits.eval) / world, 0.0)
+    scripted = EngineHooks(on_eval=lambda epoch, _: metrics[epoch] * len(splits.eval) / world)
+    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+                           controller=LocalController(control), costs=costs_for(adapter.num_layers),
+                           hooks=scripted)
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, control.rollbacks, [
         (r.epoch, r.num_frozen, r.pipeline_length, r.num_replicas) for r in control.discarded]
@@ -447,7 +448,7 @@ def train_rank_with_trials(rank, world, cfg):
     worker.start()
     same_rng = len(same) == len(control.start_trials) and all(same)
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, control.start_trials, control.plans[0], same_rng
 
@@ -507,7 +508,7 @@ def train_rank_probing(rank, world, cfg):
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, seen
 
@@ -522,7 +523,7 @@ def test_probe_decisions_inside_epochs_match_the_reference():
     results = run_ranks(train_rank_probing, 2, cfg)
     seen = results[0][2]
     assert results[1][2] == seen  # every rank's controller saw the same figures
-    trainer = ReferenceTrainer(cfg)
+    trainer = build_reference(cfg)
     ref_seen = []
     _recording(trainer.policy, ref_seen)
     ref_timeline = trainer.fit()

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from pt_ray.api import fit
-from pt_ray.runtime.faults import FAULT_ENV, FaultSwitch
+from pt_ray.runtime.engine import EngineHooks
+from pt_ray.runtime.faults import FAULT_ENV, FaultSwitch, fault_hooks
 from pt_ray.models.base import iter_layers
 from pt_ray.runtime.checkpoint import damage
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 from test_ray_engine import max_difference, reference_layers, tiny_config
 
 
@@ -52,6 +53,24 @@ def test_the_switch_fires_once_at_its_point_for_its_rank(tmp_path):
     assert switch.due("stall", 2, 1) and not (tmp_path / "e").exists()
     assert switch.due("eval", 3) and not switch.due("eval", 3)
     assert FaultSwitch.from_env(0, env=both).due("step", 3, 0)
+
+
+@pytest.mark.unit
+def test_faults_reach_the_engine_only_through_the_hooks_they_install(tmp_path):
+    base = EngineHooks(on_step=print)
+    assert fault_hooks(None, base) is base  # no fault: the engine gets no fault callback
+    switch = FaultSwitch.from_env(0, env={FAULT_ENV: f"eval:2:0:0:{tmp_path / 'e'}"})
+    hooks = fault_hooks(switch, base)
+    assert hooks.on_step is print and hooks.on_step_report is None
+    # The eval point drops this rank's correct answers once, in its epoch only.
+    assert hooks.on_eval(1, 7) == 7 and hooks.on_eval(2, 7) == 0 and hooks.on_eval(2, 7) == 7
+    # The other points are installed too and do nothing when their fault is not due.
+    hooks.on_transition(2)
+    hooks.in_migration(2)
+    shard = tmp_path / "shard"
+    shard.write_bytes(b"1234")
+    hooks.on_shard(shard, 2)
+    assert shard.read_bytes() == b"1234"
 
 
 def _run_with_fault(tmp_path: Path, name: str, spec: str, **extra):
@@ -120,7 +139,7 @@ def test_a_restart_between_a_freeze_and_the_guards_verdict_still_rolls_the_freez
                                                                   (3, 2)]
     capped = tiny_config(tmp_path / "ref", engine="reference",
                          **{**extra, "freeze": {**freeze, "max_frozen": 2, "rollback": False}})
-    trainer = ReferenceTrainer(capped)
+    trainer = build_reference(capped)
     trainer.fit()
     reference = {name: m.state_dict() for name, m in iter_layers(trainer.adapter)}
     assert max_difference(result.checkpoint, reference) <= 1e-4

@@ -23,7 +23,7 @@ from pt_ray.cache.store import InMemoryStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -131,7 +131,7 @@ def test_fp32_on_gpu_computes_what_the_cpu_reference_computes(cuda):
     torch.backends.cudnn.allow_tf32 = False
     cfg = build_config({**VIT, "precision": "fp32"})
     _, adapter, _ = run_engine(cfg, cuda)
-    ref = ReferenceTrainer(cfg)
+    ref = build_reference(cfg)
     init = torch.cat([p.detach().flatten().clone() for p in ref.adapter.model.parameters()])
     ref.fit()
     ours = torch.cat([p.detach().flatten().cpu() for p in adapter.model.parameters()])

@@ -13,7 +13,7 @@ from pt_ray.control.state import build_control_state, decision_interval, decisio
 from pt_ray.core.freeze import FreezeDecision
 from pt_ray.core.plan import CostTable
 from pt_ray.runtime import reference
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 from pt_ray.reporting.summary import EpochRecord
 from test_reference import vit_config
 
@@ -100,7 +100,7 @@ class Scripted:
 def _run(monkeypatch, at: dict[int, int], metrics: dict[int, float], **freeze):
     cfg = vit_config(epochs=5, freeze=dict(guard_points=1.0, **freeze),
                      model=dict(dropout=0.1))
-    trainer = ReferenceTrainer(cfg, policy=Scripted(at))
+    trainer = build_reference(cfg, policy=Scripted(at))
     monkeypatch.setattr(reference, "evaluate", lambda *a, **k: metrics[trainer._epoch])
     return trainer, trainer.fit()
 

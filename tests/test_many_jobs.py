@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pt_ray.api import fit
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 from pt_ray.cache.owners import cache_name
 from pt_ray.service.controller import controller_name
 from pt_ray.models.base import iter_layers
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
 def reference(cfg) -> dict:
-    trainer = ReferenceTrainer(cfg)
+    trainer = build_reference(cfg)
     trainer.fit()
     return {name: {k: v.clone() for k, v in m.state_dict().items()}
             for name, m in iter_layers(trainer.adapter)}

@@ -174,12 +174,12 @@ def test_remove_layers_returns_groups_and_state_and_leaves_others_identical():
 
 
 def test_one_pass_gives_the_global_and_the_per_block_norms():
-    # clip_grad_norm with a BlockIndex: the per-block norms come from the same per-parameter
+    # clip_grad_norm with a ParamBlocks: the per-block norms come from the same per-parameter
     # norms as the global one, and equal what block_grad_norms computes block by block.
     from pt_ray.models import build_adapter
     from pt_ray.core.config import ModelConfig
     from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
-    from pt_ray.runtime.sync import BlockIndex, clip_grad_norm
+    from pt_ray.runtime.clipping import ParamBlocks, clip_grad_norm
 
     adapter = build_adapter(ModelConfig(family="timm", name="vit_base_patch16_224", depth=4,
                                         width=32, num_heads=2, mlp_ratio=2.0, patch_size=4),
@@ -190,7 +190,7 @@ def test_one_pass_gives_the_global_and_the_per_block_norms():
     params = [p for p in adapter.model.parameters() if p.requires_grad]
     expected = block_grad_norms(adapter, range(1, 4))
     full = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-    index = BlockIndex(params, {b: list(adapter.blocks[b].parameters()) for b in range(1, 4)},
+    index = ParamBlocks(params, {b: list(adapter.blocks[b].parameters()) for b in range(1, 4)},
                        1, 3, torch.device("cpu"))
     total, per_block = clip_grad_norm(None, params, max_norm=None, group=None, blocks=index)
     assert float(total) == pytest.approx(float(full), rel=1e-6)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, written_layers
 from pt_ray.control.state import build_control_state
 from pt_ray.data.registry import build_dataset
 from pt_ray.models.base import iter_layers
@@ -59,7 +59,7 @@ def train_and_watch(rank, world, cfg):
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     seen = []
     worker.fit(on_epoch=lambda rec: seen.append({**holdings(worker), "record": rec}))
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, [s["record"] for s in seen], seen, sizes
 
@@ -139,7 +139,7 @@ def resume_from_own_shards(rank, world, cfg, directory):
         first = worker.restore(copy, plan)
     held = sorted(n for n, m in worker.modules.items() if is_held(m))
     timeline = worker.fit(first_epoch=first)
-    states = worker.layer_state_dicts()
+    states = written_layers(worker)
     worker.close()
     return states, timeline, sorted(opened), sorted(kept), held, sorted(mine)
 

@@ -66,7 +66,7 @@ def test_clipping_equals_torch_clip_grad_norm(max_norm, scale):
     ``torch.nn.utils.clip_grad_norm_`` gives on the same gradients; under fp16 it first
     unscales gradients scaled by the loss scale (a power of two: exact). Within
     :data:`CLIP_RTOL` (2-4 ulp of float32), not bit for bit: the sum's order differs."""
-    from pt_ray.runtime.sync import clip_grad_norm
+    from pt_ray.runtime.clipping import clip_grad_norm
 
     ours, plain = _grads(0, scale)
     norm, _ = clip_grad_norm(None, ours, max_norm, None, inv_scale=1.0 / scale)
@@ -77,7 +77,7 @@ def test_clipping_equals_torch_clip_grad_norm(max_norm, scale):
 
 def _clip_two_stages(rank, world):
     from pt_ray.runtime.comm import Comm
-    from pt_ray.runtime.sync import clip_grad_norm
+    from pt_ray.runtime.clipping import clip_grad_norm
 
     ours, plain = _grads(1)
     mine = ours[:20] if rank == 0 else ours[20:]  # stage 0 holds the first 20 parameters

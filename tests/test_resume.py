@@ -24,7 +24,7 @@ from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.resume import resume_point
 from pt_ray.runtime.checkpoint import damage, deal_layers, latest_checkpoint, load_layers, \
     read_meta, read_shard, usable_checkpoint, write_meta, write_shard
-from pt_ray.runtime.reference import ReferenceTrainer
+from pt_ray.runtime.reference import build_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from procs import kill_session  # noqa: E402
@@ -100,7 +100,7 @@ def test_driver_killed_after_an_epoch_resumes_on_one_worker_and_ends_as_never_st
                                        "after_epoch": point.next_epoch}
 
     # A run never stopped: the reference trainer, the engine's numerical oracle.
-    reference = ReferenceTrainer(resumable_config(tmp_path / "ref", engine="reference"))
+    reference = build_reference(resumable_config(tmp_path / "ref", engine="reference"))
     timeline = reference.fit()
     layers, _ = load_layers(result.checkpoint, layer_names(4))
     difference = max(

@@ -98,11 +98,11 @@ def test_reference_steps_report_the_epoch_figures_step_by_step(tmp_path):
     learning rate follows the schedule; every_steps=2 reports the same figures at 2, 4, ...;
     every_steps=0 reports nothing."""
     from pt_ray.runtime.optim import lr_factor
-    from pt_ray.runtime.reference import ReferenceTrainer
+    from pt_ray.runtime.reference import build_reference
 
     cfg = tiny_config(tmp_path, every_steps=1)
     records = []
-    timeline = ReferenceTrainer(cfg, on_step_report=records.append).fit()
+    timeline = build_reference(cfg, on_step_report=records.append).fit()
     assert [r.global_step for r in records] == list(range(1, 13))
     assert [(r.epoch, r.epoch_step, r.epoch_steps) for r in records[5:7]] == [(0, 6, 6),
                                                                               (1, 1, 6)]
@@ -116,13 +116,13 @@ def test_reference_steps_report_the_epoch_figures_step_by_step(tmp_path):
     assert all(r.window_steps == 1 and r.samples_per_s > 0 for r in records)
 
     every2 = []
-    ReferenceTrainer(tiny_config(tmp_path, every_steps=2), on_step_report=every2.append).fit()
+    build_reference(tiny_config(tmp_path, every_steps=2), on_step_report=every2.append).fit()
     assert [r.global_step for r in every2] == [2, 4, 6, 8, 10, 12]
     assert [r.train_loss for r in every2] == [r.train_loss for r in records[1::2]]
     assert {r.window_steps for r in every2} == {2}
 
     none = []
-    ReferenceTrainer(tiny_config(tmp_path, every_steps=0), on_step_report=none.append).fit()
+    build_reference(tiny_config(tmp_path, every_steps=0), on_step_report=none.append).fit()
     assert none == []
 
 
@@ -185,14 +185,14 @@ def test_engine_ranks_report_the_same_steps_with_the_reference_losses(tmp_path):
     both get identical records at every step, whose losses are the reference trainer's and
     average to the epoch's loss."""
     from dist_utils import run_ranks
-    from pt_ray.runtime.reference import ReferenceTrainer
+    from pt_ray.runtime.reference import build_reference
 
     cfg = tiny_config(tmp_path, engine="ray", every_steps=1)
     (records, timeline), (records_1, _) = run_ranks(report_rank, 2, cfg)
     assert records == records_1
     assert [(r.pipeline_length, r.num_replicas) for r in timeline] == [(2, 1), (1, 2)]
     expected = []
-    ReferenceTrainer(cfg, on_step_report=expected.append).fit()
+    build_reference(cfg, on_step_report=expected.append).fit()
     assert [r.global_step for r in records] == list(range(1, 13))
     assert [r.train_loss for r in records] == pytest.approx(
         [r.train_loss for r in expected], rel=1e-5)

@@ -107,11 +107,11 @@ def test_ray_run_reports_steps_while_it_runs_and_prints_pt_ray_lines_only(tmp_pa
     import time
 
     from pt_ray.api import fit
-    from pt_ray.runtime.reference import ReferenceTrainer
+    from pt_ray.runtime.reference import build_reference
     from test_report import read_scalars
 
     expected = []
-    ReferenceTrainer(step_config(tmp_path / "ref", engine="reference"),
+    build_reference(step_config(tmp_path / "ref", engine="reference"),
                      on_step_report=expected.append).fit()
     assert [r.global_step for r in expected] == [5, 10, 15, 20]
     capfd.readouterr()

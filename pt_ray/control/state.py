@@ -33,6 +33,7 @@ from pt_ray.core.plan import (
     Plan,
     Planner,
     PlanSettings,
+    start_pipeline_length,
 )
 from pt_ray.control.trials import FirstLayoutTrials
 from pt_ray.reporting.summary import EpochRecord
@@ -44,7 +45,6 @@ __all__ = [
     "decisions_per_epoch",
     "merge_costs",
     "policy_for",
-    "start_pipeline_length",
     "transition_line",
 ]
 
@@ -365,16 +365,6 @@ class ControlState:
         self.start_trials = list(state.get("start_trials", []))
 
 
-def start_pipeline_length(cfg: RunConfig, num_layers: int, num_workers: int) -> int:
-    """K of a run's first plan: ``pipeline.pipeline_length`` when it divides the workers Ray
-    gave the run, else the largest divisor of N that leaves every stage a block."""
-    k0 = cfg.pipeline.pipeline_length
-    if isinstance(k0, int) and num_workers % k0 == 0:
-        return k0
-    return max(d for d in range(1, num_workers + 1)
-               if num_workers % d == 0 and d <= max(num_layers, 1))
-
-
 def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
     """Steps between the decisions inside an epoch, or None when only epochs start them.
 
@@ -470,7 +460,7 @@ def build_control_state(
     logger.info("activation cache %s: %s", "off" if cache.mode == "off" else "allowed",
                 cache.reason)
     p = cfg.pipeline
-    k0 = start_pipeline_length(cfg, num_layers, num_workers)
+    k0 = start_pipeline_length(p.pipeline_length, num_layers, num_workers)
     policy = policy_for(cfg, num_layers, steps_per_epoch,
                         pinned_length=None if p.elastic else k0)
     forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None

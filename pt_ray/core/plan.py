@@ -35,6 +35,7 @@ __all__ = [
     "feed_line",
     "pinned_length",
     "replica_batch",
+    "start_pipeline_length",
     "holders",
     "is_trainable",
     "stage_of",
@@ -281,6 +282,15 @@ def pinned_length(k: int, active: int, num_frozen: int) -> int:
             "(freeze.max_frozen) or let K shrink (pipeline.elastic=true)"
         )
     return k
+
+
+def start_pipeline_length(configured: int | str, num_layers: int, num_workers: int) -> int:
+    """K of a run's first plan: ``configured`` (``pipeline.pipeline_length``) when it is a number
+    that divides the N workers the run got, else the largest divisor of N that leaves every
+    stage a block."""
+    if isinstance(configured, int) and num_workers % configured == 0:
+        return configured
+    return max(d for d in divisors(num_workers) if d <= max(num_layers, 1))
 
 
 @dataclass(frozen=True)

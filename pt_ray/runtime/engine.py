@@ -27,23 +27,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from pt_ray.control.state import decision_interval
 from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import CostTable, Plan
 from pt_ray.data.base import DatasetSplits, set_epoch
-from pt_ray.data.sampler import training_sampler
+from pt_ray.data.sampler import probe_indices, training_sampler
 from pt_ray.models.base import ModelAdapter
 from pt_ray.reporting.steplog import StepRecord
 from pt_ray.reporting.summary import EpochRecord
 from pt_ray.cache.store import ActivationStore
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.controller import Controller, LocalController
-from pt_ray.runtime.faults import Faults, stall
 from pt_ray.runtime.layout import Layout
 from pt_ray.runtime.memory import MemoryMeter
 from pt_ray.runtime.migrate import LayerStates
@@ -52,9 +50,16 @@ from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.probe import probe_for
 from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, store_figures
 from pt_ray.runtime.profile import profile_share
-from pt_ray.runtime.records import EpochFigures, StepReports, count_correct, epoch_record
+from pt_ray.runtime.records import (
+    CacheFigures,
+    EpochFigures,
+    StepReports,
+    count_correct,
+    epoch_record,
+)
 from pt_ray.runtime.rankstate import RankState
-from pt_ray.runtime.step import Stepper
+from pt_ray.runtime.settings import engine_settings
+from pt_ray.runtime.step import StepLoss, Stepper
 
 __all__ = ["Controller", "ElasticWorker", "EngineHooks", "LocalController"]
 
@@ -68,26 +73,38 @@ logger = logging.getLogger(__name__)
 class EngineHooks:
     """Where a rank's engine calls out.
 
+    Tests install the last four to inject faults at the engine's worst moments
+    (:func:`pt_ray.runtime.faults.fault_hooks`); a plain run leaves them out.
+
     Attributes:
         on_step: called as ``on_step(epoch, step)`` before every training step (progress
             reporting, fault injection in tests).
         on_step_report: with ``logging.every_steps`` N > 0, called on every rank with the
             :class:`~pt_ray.reporting.steplog.StepRecord` of every N-th step of the run; give
             it on every rank or on none (each report reduces the step's loss over WORLD).
-        fault: the faults this rank injects in tests (:mod:`pt_ray.runtime.faults`): the engine
-            reaches the ``migration``, ``stall``, ``checkpoint`` and ``eval`` points.
+        on_transition: called as ``on_transition(epoch)`` when a plan is about to replace the
+            one in force, before any layer moves.
+        in_migration: called as ``in_migration(epoch)`` inside such a migration, after this
+            rank's sends and before it receives.
+        on_shard: called as ``on_shard(path, epoch)`` once this rank's checkpoint shard after
+            ``epoch`` is written.
+        on_eval: called as ``on_eval(epoch, correct)`` with the correct predictions this rank
+            counted in epoch ``epoch``'s evaluation; returns the count the record takes.
     """
 
     on_step: Callable[[int, int], None] | None = None
     on_step_report: Callable[[StepRecord], None] | None = None
-    fault: Faults | None = None
+    on_transition: Callable[[int], None] | None = None
+    in_migration: Callable[[int], None] | None = None
+    on_shard: Callable[[Path, int], None] | None = None
+    on_eval: Callable[[int, int], int] | None = None
 
 
 class ElasticWorker:
     """One rank of a pt-ray run.
 
     Args:
-        cfg: the run configuration.
+        cfg: the run configuration (read here, once: each part gets its own settings).
         adapter: the model, built whole on the host from the same seed on every rank; from
             the first plan on the rank keeps only its stage's layers, on ``device``.
         splits: the datasets (every rank reads the samples it needs by index).
@@ -97,16 +114,19 @@ class ElasticWorker:
         store: the activation cache's store (None: the frozen prefix is always recomputed,
             whatever the plans say).
         comm: the run's communication (default: built for ``device`` over WORLD).
-        hooks: where the engine calls out (progress, step reports, faults).
+        hooks: where the engine calls out (progress, step reports, faults in tests).
+
+    The parts are built in dependency order: the step's loss, the cached prefix, the layout
+    (whose pipeline schedule takes the loss), the steps over that layout and prefix, and the
+    saved state over the layout and steps. Each keeps its own settings
+    (:mod:`pt_ray.runtime.settings`), never the whole config.
     """
 
     def __init__(self, cfg: RunConfig, *, adapter: ModelAdapter, splits: DatasetSplits,
                  controller: Controller, device: torch.device | None = None,
                  costs: CostTable | None = None, store: ActivationStore | None = None,
                  comm: Comm | None = None, hooks: EngineHooks | None = None) -> None:
-        self.cfg = cfg
         self.hooks = hooks or EngineHooks()
-        self.fault = self.hooks.fault
         self.adapter = adapter
         self.splits = splits
         self.controller = controller
@@ -118,18 +138,18 @@ class ElasticWorker:
         self.scaler = LossScaler() if self.precision.scaled else None
         self.fixed_costs = costs
         self.sampler = training_sampler(cfg, len(splits.train))
+        self.settings = settings = engine_settings(cfg, self.sampler.steps_per_epoch)
         self.norms = GradNormMeter()
-        self.stepper = Stepper(cfg, adapter, splits, self.comm, self.norms, self.scaler,
-                               cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size)
+        loss = StepLoss(adapter, self.scaler)
         deterministic = splits.train.deterministic_transform
         self.prefix = cached_prefix_for(cfg, adapter, store, len(splits.train), deterministic,
                                         self.device, costs, self.precision)
-        self.stepper.prefix = self.prefix
-        self.layout = Layout(cfg, adapter, splits, self.comm, self.device, self.precision,
-                             self.stepper.loss, cache=self.prefix is not None)
-        self.stepper.layout = self.layout
+        self.layout = Layout(settings.layout, adapter, splits, self.comm, self.device,
+                             self.precision, loss, cache=self.prefix is not None)
+        self.stepper = Stepper(settings.step, self.layout, self.prefix, loss, splits, self.comm,
+                               self.norms)
         self.modules = self.layout.modules
-        every = cfg.logging.every_steps
+        every = settings.every_steps
         on_report = self.hooks.on_step_report
         self.step_reports = (StepReports(every, on_report, self.comm, self.rank)
                              if on_report is not None and every else None)
@@ -139,13 +159,14 @@ class ElasticWorker:
         # it (decide every k steps), and the interval that an epoch's end closes feeds the
         # next epoch's first. A rollback's plan is the next decision like any other.
         self.decision = 0
-        self.interval = decision_interval(cfg, self.sampler.steps_per_epoch)
-        self.state = RankState(cfg, self.layout, self.stepper, self.norms, self.scaler,
-                               self.fault)
+        self.interval = settings.interval
+        self.state = RankState(settings.rank, self.layout, self.stepper, self.norms, self.scaler,
+                               self.hooks.on_shard)
         # The model stays on the host, where the adapter built it, until the first plan says
         # which layers this rank holds: only those reach the device (:mod:`.owned`).
         self.memory = MemoryMeter(self.modules, self.device)
-        self.probe = probe_for(cfg, splits, self.comm)
+        self.probe = probe_for(probe_indices(cfg, len(splits.train)), splits,
+                               settings.eval_batch_size, self.comm)
 
     # The layout in force, as the rest of the engine (and tests) read it.
     plan = property(lambda self: self.layout.plan)
@@ -159,7 +180,8 @@ class ElasticWorker:
         costs = self.fixed_costs
         if costs is None:
             # One pass's replica share: what a device holds at once with accumulation.
-            share = self.cfg.data.batch_size // self.cfg.optimizer.accumulation_steps // self.world
+            share = (self.settings.batch_size // self.settings.step.optimizer.accumulation_steps
+                     // self.world)
             costs = profile_share(self.adapter, self.splits.train, share, self.device,
                                   self.precision)
             if self.prefix is not None:
@@ -183,11 +205,12 @@ class ElasticWorker:
             restored: optimizer state per layer when entering the first plan from a checkpoint
                 (parameters already loaded).
         """
-        midway = None
-        if self.fault is not None and self.plan is not None:
-            if plan.generation != self.plan.generation:
-                midway = partial(self.fault.at, "migration", self._epoch)
-                self.fault.at("stall", self._epoch, action=stall)
+        midway, hooks = None, self.hooks
+        if self.plan is not None and plan.generation != self.plan.generation:
+            if hooks.in_migration is not None:
+                midway = partial(hooks.in_migration, self._epoch)
+            if hooks.on_transition is not None:
+                hooks.on_transition(self._epoch)
         elapsed = self.layout.enter(plan, restored, midway)
         if self.probe is not None:  # the plan's interval starts: keep what it tests
             self.probe.start(self.layout, plan)
@@ -198,7 +221,7 @@ class ElasticWorker:
         previous epoch's record). With ``freeze.rollback``, while blocks may still freeze,
         the epoch's starting state is kept first: a freeze anywhere in the epoch that the
         guard finds harmful returns here."""
-        if (self.cfg.freeze.rollback and self.state.may_freeze()
+        if (self.settings.rollback and self.state.may_freeze()
                 and self._epoch not in self.state.rollback.snapshots):  # kept at a resume
             self.state.keep_snapshot(self._epoch)
         return self.apply_plan(self.controller.plan_for(self.decision))
@@ -224,12 +247,7 @@ class ElasticWorker:
 
     def _replicas_batch(self) -> int:
         """Samples per step over all replicas (the global batch)."""
-        b = self.cfg.data.batch_size
-        return b if self.cfg.batch_policy == "fixed_global" else b * self.plan.num_replicas
-
-    def train_step(self, indices: np.ndarray) -> torch.Tensor | float:
-        """One optimizer step on the global batch ``indices`` (:meth:`Stepper.step`)."""
-        return self.stepper.step(indices)
+        return self.settings.replicas_batch(self.plan.num_replicas)
 
     def steps_in_epoch(self) -> int:
         """Optimizer steps in an epoch under the current plan (for progress reporting)."""
@@ -261,7 +279,7 @@ class ElasticWorker:
             last = offset + 2 * size > len(order)
             with self.memory.step(last and self.memory.due(self.plan.generation),
                                   self.plan.generation):
-                loss = self.train_step(order[offset:offset + size])
+                loss = self.stepper.step(order[offset:offset + size])
             loss_sum += loss
             offset, steps, since = offset + size, steps + 1, since + 1
             if self.step_reports is not None:
@@ -269,7 +287,7 @@ class ElasticWorker:
                     mark, size, loss, epoch=epoch, global_step=self.stepper.global_step,
                     epoch_step=steps, epoch_steps=self.steps_in_epoch(), lr=self.stepper.lr,
                     num_frozen=self.plan.num_frozen)
-        final = epoch + 1 == self.cfg.epochs  # else the next epoch's reads start loading
+        final = epoch + 1 == self.settings.epochs  # else the next epoch's reads start loading
         self.stepper.end_epoch(None if final else self.sampler.epoch_batches(
             epoch + 1, self._replicas_batch()))
         if self.device.type == "cuda":  # the epoch's kernels, not only their launches
@@ -283,7 +301,7 @@ class ElasticWorker:
         # guard reads) feed the decision that opens the next epoch.
         self._submit_norms(self.decision, norms, rec)
         self.decision += 1
-        if self.cfg.freeze.rollback:
+        if self.settings.rollback:
             self._after_guard(evaluated=rec.eval_metric == rec.eval_metric)
         return rec
 
@@ -295,23 +313,22 @@ class ElasticWorker:
         layout = self.layout
         memory = self.memory.figures(self.plan.stage_layers(self.topo.stage), self.optimizer,
                                      self.topo.stage)
-        cache, held = [0.0] * 6, [0.0, 0.0]
+        cache, held = CacheFigures(), (0.0, 0.0)
         if self.prefix is not None:
             # After this reduction every rank's cache writes have landed.
-            cache = self.comm.reduce_values(epoch_counters(self.prefix))
-            held = store_figures(self.prefix, self.rank)
-        evaluated = self.cfg.evaluates_after(epoch)
-        correct, eval_time = self.count_correct() if evaluated else (0, 0.0)
-        if evaluated and self.fault is not None and self.fault.due("eval", epoch):
-            correct = 0
-        mine = EpochFigures(loss_sum, correct, epoch_time, transition, held, memory)
+            cache = CacheFigures.summed(self.comm, epoch_counters(self.prefix))
+            held = store_figures(self.prefix, self.rank)  # bytes, objects
+        evaluated = epoch in self.settings.eval_epochs
+        correct, eval_time = 0, 0.0
+        if evaluated:
+            correct, eval_time = count_correct(self.layout, self.splits,
+                                               self.settings.eval_batch_size, self.comm)
+            if self.hooks.on_eval is not None:
+                correct = self.hooks.on_eval(epoch, correct)
+        mine = EpochFigures(float(loss_sum), correct, epoch_time, transition, *held,
+                            memory=tuple(memory))
         return epoch_record(self.comm, layout, epoch, mine, self.norms.mean(), cache,
                             (evaluated, len(self.splits.eval), eval_time), steps, samples)
-
-    def count_correct(self) -> tuple[int, float]:
-        """Score this rank's share of the eval set (:func:`records.count_correct`)."""
-        size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
-        return count_correct(self.layout, self.splits, size, self.comm)
 
     def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None,
             first_epoch: int = 0) -> list[EpochRecord]:
@@ -322,7 +339,7 @@ class ElasticWorker:
             self.start()
         timeline: list[EpochRecord] = []
         epoch = first_epoch
-        while epoch < self.cfg.epochs:
+        while epoch < self.settings.epochs:
             rec = self.train_epoch(epoch)
             timeline = [r for r in timeline if r.epoch < epoch] + [rec]
             if on_epoch is not None:
@@ -356,10 +373,6 @@ class ElasticWorker:
                            plan.describe())
 
     # -- checkpoints ---------------------------------------------------------------------------
-
-    def layer_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Parameters of the layers this rank writes into checkpoints, CPU copies."""
-        return self.state.layer_state_dicts()
 
     def restore(self, directory, plan: Plan) -> int:
         """Load a checkpoint and enter ``plan`` (decided for the resumed run, possibly for a

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import ModelConfig, RunConfig
 from pt_ray.data.base import DatasetSplits
 from pt_ray.models.base import ModelAdapter
 from pt_ray.models.export import README, export_model, folder_line
@@ -29,28 +29,36 @@ MODEL_DIR = "model"
 """The export's folder inside a run folder."""
 
 
-def _tokenizer(cfg: RunConfig) -> Any:
-    """The run's tokenizer (``data.tokenizer``, else ``model.weights``), or None without one."""
-    if cfg.model.family != "hf":
+def _tokenizer(model: ModelConfig, tokenizer: Path | None) -> Any:
+    """The run's tokenizer (``tokenizer``, the run's ``data.tokenizer``, else
+    ``model.weights``), or None without one."""
+    if model.family != "hf":
         return None
     from pt_ray.data.text import load_tokenizer
 
-    if cfg.data.tokenizer is not None:
-        return load_tokenizer(cfg.data.tokenizer)
-    if cfg.model.weights is None:
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if model.weights is None:
         return None
     try:
-        return load_tokenizer(cfg.model.weights)
+        return load_tokenizer(model.weights)
     except (OSError, ValueError):  # a weights folder without tokenizer files
-        logger.info("no tokenizer in %s: exporting the model alone", cfg.model.weights)
+        logger.info("no tokenizer in %s: exporting the model alone", model.weights)
         return None
 
 
-def export_adapter(cfg: RunConfig, adapter: ModelAdapter, out: Path, source: str = "") -> Path:
-    """Export a trained model of the run ``cfg`` (with its tokenizer) into ``out``; ``source``
-    says where it came from in the README (default: the run's name)."""
-    return export_model(adapter, out, tokenizer=_tokenizer(cfg),
-                        source=source or f"run {cfg.name!r}")
+def export_adapter(adapter: ModelAdapter, out: Path, source: str, *, model: ModelConfig,
+                   tokenizer: Path | None = None) -> Path:
+    """Export a trained model (with its tokenizer) into ``out``.
+
+    Args:
+        adapter: the trained model.
+        out: the export folder.
+        source: where it came from, for the README (``run 'name' ...``).
+        model: the run's ``model`` section (its family and weights).
+        tokenizer: the run's ``data.tokenizer`` (None: the weights' own, if any).
+    """
+    return export_model(adapter, out, tokenizer=_tokenizer(model, tokenizer), source=source)
 
 
 def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: Path,
@@ -76,8 +84,9 @@ def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: Path,
     adapter = build_model_for(cfg, splits)
     meta = load_parameters(Path(checkpoint), adapter)
     logger.info("exporting the parameters after epoch %d from %s", meta["epoch"], checkpoint)
-    return export_adapter(cfg, adapter, out,
-                          f"run {cfg.name!r}, checkpoint after epoch {meta['epoch'] + 1}")
+    return export_adapter(adapter, out,
+                          f"run {cfg.name!r}, checkpoint after epoch {meta['epoch'] + 1}",
+                          model=cfg.model, tokenizer=cfg.data.tokenizer)
 
 
 def find_checkpoint(run_dir: Path, summary: dict[str, Any]) -> Path | None:

@@ -23,8 +23,10 @@ with step 0 is after the workers' last call of the run, before they return. The 
 - ``eval``: the rank counts none of its correct predictions in the epoch's evaluation, so the
   eval metric falls as after a harmful freeze (the accuracy guard's input).
 
-Every point except ``step``, ``controller``, ``hang`` and ``stall`` at a step is reached from
-the torch runtime, which calls :meth:`FaultSwitch.at` (a no-op without the variable).
+The engine has no fault branches: every point except ``step``, ``controller``, ``hang`` and
+``stall`` at a step is one of its :class:`pt_ray.runtime.engine.EngineHooks` callbacks, which
+:func:`fault_hooks` installs (nothing is installed without the variable); the service's worker
+reaches the others before each step.
 """
 
 from __future__ import annotations
@@ -34,10 +36,15 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["FAULT_ENV", "POINTS", "STALL_S", "FaultSwitch", "Faults", "kill_self", "stall"]
+if TYPE_CHECKING:
+    from pt_ray.runtime.engine import EngineHooks
+
+__all__ = ["FAULT_ENV", "POINTS", "STALL_S", "FaultSwitch", "Faults", "fault_hooks", "kill_self",
+           "stall"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +137,28 @@ class Faults:
         """Run ``action`` (by default: kill this process) when a fault is due here."""
         if self.due(point, epoch, step):
             action()
+
+
+def fault_hooks(faults: Faults | None, hooks: EngineHooks) -> EngineHooks:
+    """``hooks`` with the engine's fault points installed for ``faults`` (unchanged for None):
+
+    - ``stall`` (step 0): the rank sleeps when a plan is about to replace the one in force;
+    - ``migration``: the rank kills itself inside that migration, after its sends;
+    - ``checkpoint``: the rank cuts its shard to half and kills itself once it is written;
+    - ``eval``: the rank counts none of its correct predictions.
+    """
+    if faults is None:
+        return hooks
+
+    def damage_shard(path: Path, epoch: int) -> None:
+        if faults.due("checkpoint", epoch):
+            path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+            kill_self()  # half of the shard written
+
+    return replace(
+        hooks,
+        on_transition=lambda epoch: faults.at("stall", epoch, action=stall),
+        in_migration=lambda epoch: faults.at("migration", epoch),
+        on_shard=damage_shard,
+        on_eval=lambda epoch, correct: 0 if faults.due("eval", epoch) else correct,
+    )

@@ -9,7 +9,6 @@ layout), the stage, the optimizer and the runner are built for the new plan.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -19,8 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from pt_ray.core.config import RunConfig
-from pt_ray.core.freeze import policy_traits
 from pt_ray.core.plan import Plan, is_trainable, replica_batch
 from pt_ray.data.base import DatasetSplits, gather
 from pt_ray.models.base import ModelAdapter, frozen_layer_names, iter_layers
@@ -36,8 +33,9 @@ from pt_ray.runtime.optim import (
 )
 from pt_ray.runtime.owned import is_held, materialise, release, to_device
 from pt_ray.runtime.precision import Precision
+from pt_ray.runtime.settings import LayoutSettings
 from pt_ray.runtime.stages import Shapes, StageModule, build_schedule, probe_shapes
-from pt_ray.runtime.sync import BlockIndex
+from pt_ray.runtime.clipping import ParamBlocks
 from pt_ray.runtime.topology import Topology, TopologyCache
 
 __all__ = ["Layout", "to_device_batch"]
@@ -49,7 +47,7 @@ class Layout:
     """What one rank holds and runs under the plan in force.
 
     Args:
-        cfg: the run configuration.
+        settings: what the layout is told about the run.
         adapter: the model, built whole on the host; from the first plan on only this rank's
             stage's layers keep storage, on ``device``.
         splits: the datasets (one training sample teaches the shapes between stages).
@@ -61,11 +59,11 @@ class Layout:
             states from the cache, under plans that cache).
     """
 
-    def __init__(self, cfg: RunConfig, adapter: ModelAdapter, splits: DatasetSplits,
+    def __init__(self, settings: LayoutSettings, adapter: ModelAdapter, splits: DatasetSplits,
                  comm: Comm, device: torch.device, precision: Precision,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  cache: bool = False) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.adapter = adapter
         self.splits = splits
         self.comm = comm
@@ -76,10 +74,10 @@ class Layout:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.modules = dict(iter_layers(adapter))
-        self.compiled = compile_blocks(adapter, cfg.pipeline.compile, device, self.rank == 0)
+        self.compiled = compile_blocks(adapter, settings.compile, device, self.rank == 0)
         # Every process group's bound on a collective or point-to-point wait (WORLD's is set
         # by whoever formed it: Ray Train's TorchConfig, from the same field).
-        timeout = timedelta(seconds=cfg.pipeline.collective_timeout_s)
+        timeout = timedelta(seconds=settings.collective_timeout_s)
         self.topologies = TopologyCache(timeout, warm_up=lambda g: comm.barrier(group=g))
         self._shapes: Shapes | None = None
         self.plan: Plan | None = None
@@ -88,7 +86,7 @@ class Layout:
         self.schedule = None
         self.ddp: DistributedDataParallel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.block_index: BlockIndex | None = None
+        self.param_blocks: ParamBlocks | None = None
 
     def enter(self, plan: Plan, restored: LayerStates | None = None,
               midway: Callable[[], None] | None = None) -> float:
@@ -144,8 +142,9 @@ class Layout:
 
     def _build_optimizer(self, trained: list[str], states: LayerStates) -> None:
         """The optimizer over the layers trained here, their state carried."""
-        self.optimizer = build_optimizer(self.cfg.optimizer, merge_groups(layer_param_groups(
-            [(n, self.modules[n]) for n in trained], self.cfg.optimizer.weight_decay)),
+        optimizer = self.settings.optimizer
+        self.optimizer = build_optimizer(optimizer, merge_groups(layer_param_groups(
+            [(n, self.modules[n]) for n in trained], optimizer.weight_decay)),
             self.device)
         adopt_states(self.optimizer, [pair for name in trained for pair in zip(
             self.modules[name].parameters(), states.get(name, ()))])
@@ -153,11 +152,11 @@ class Layout:
     def _build_runner(self, plan: Plan, trains: bool) -> None:
         """Per-block norm bookkeeping, and DDP (K = 1) or the pipeline schedule (K > 1)."""
         stage = self.topo.stage
-        self.block_index = None
-        if policy_traits(self.cfg.freeze.policy).freezes:
+        self.param_blocks = None
+        if self.settings.block_norms:
             # Per-block norms feed freeze decisions only: a run that never freezes skips them.
             first, end = plan.boundaries[stage], plan.boundaries[stage + 1]
-            self.block_index = BlockIndex(
+            self.param_blocks = ParamBlocks(
                 [p for p in self.stage.parameters() if p.requires_grad],
                 {b: list(self.adapter.blocks[b].parameters()) for b in range(first, end)},
                 first, end - first, self.device)
@@ -174,8 +173,9 @@ class Layout:
         if plan.pipeline_length > 1:
             # The schedule runs one accumulation chunk at a time: its micro-batches are that
             # chunk's replica share / M.
-            pass_batch = replica_batch(self.cfg.data.batch_size, plan.num_replicas,
-                                       self.cfg.batch_policy, self.cfg.optimizer.accumulation_steps)
+            s = self.settings
+            pass_batch = replica_batch(s.batch_size, plan.num_replicas, s.batch_policy,
+                                       s.optimizer.accumulation_steps)
             self.schedule = build_schedule(self.stage, plan, stage, self.topo.pipeline_group,
                                            self.device, self.loss, self.probe(),
                                            pass_batch // plan.num_microbatches, runner=self.ddp)
@@ -236,12 +236,8 @@ class Layout:
 
 
 # Buffers are the same on every replica (built from one seed, never trained): DDP need not
-# broadcast them before each forward. torch 2.14 renamed the switch.
-_NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    else {"broadcast_buffers": False}
-)
+# broadcast them before each forward.
+_NO_BUFFER_SYNC = {"forward_sync_buffers": False}
 
 
 def to_device_batch(batch, device: torch.device):

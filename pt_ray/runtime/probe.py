@@ -23,9 +23,8 @@ import torch
 
 from pt_ray.core.freeze import PROBE_NOW, PROBE_REVERTED
 from pt_ray.core.plan import Plan
-from pt_ray.core.config import RunConfig
 from pt_ray.data.base import DatasetSplits, SampleDataset
-from pt_ray.data.sampler import probe_indices, split_for_replica
+from pt_ray.data.sampler import split_for_replica
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.layout import Layout
 from pt_ray.runtime.records import pipe_score
@@ -35,12 +34,14 @@ __all__ = ["Probe", "probe_for"]
 logger = logging.getLogger(__name__)
 
 
-def probe_for(cfg: RunConfig, splits: DatasetSplits, comm: Comm) -> Probe | None:
-    """The run's probe (None unless ``freeze.policy=probe``), scoring eval-sized batches."""
-    held_out = probe_indices(cfg, len(splits.train))
+def probe_for(held_out: np.ndarray, splits: DatasetSplits, batch_size: int,
+              comm: Comm) -> Probe | None:
+    """The run's probe over the training samples ``held_out``
+    (:func:`pt_ray.data.sampler.probe_indices`; none unless ``freeze.policy=probe``: then
+    None), scoring ``batch_size``-sample (eval-sized) batches."""
     if not len(held_out):
         return None
-    return Probe(splits.train, held_out, cfg.data.eval_batch_size or cfg.data.batch_size, comm)
+    return Probe(splits.train, held_out, batch_size, comm)
 
 
 class Probe:

@@ -6,21 +6,19 @@ codec (:mod:`pt_ray.runtime.layerstate`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from pt_ray.core.config import RunConfig
 from pt_ray.core.plan import Plan
 from pt_ray.models.base import frozen_layer_names
 from pt_ray.runtime.checkpoint import load_layers, read_meta, read_rollback, write_shard
-from pt_ray.runtime.faults import Faults, kill_self
 from pt_ray.runtime.layerstate import capture_layers, load_layers_into
 from pt_ray.runtime.layout import Layout
 from pt_ray.runtime.migrate import LayerStates
 from pt_ray.runtime.norms import GradNormMeter
 from pt_ray.runtime.precision import LossScaler
 from pt_ray.runtime.rollback import Rollback
+from pt_ray.runtime.settings import RankSettings
 from pt_ray.runtime.step import Stepper
 
 __all__ = ["RankState"]
@@ -32,22 +30,24 @@ class RankState:
     """One rank's saved and restorable state.
 
     Args:
-        cfg: the run configuration.
+        settings: what the saved state is told about the run.
         layout: the rank's layout (what it holds).
         stepper: the rank's steps (their counters).
         norms: the rank's gradient-norm meter.
         scaler: the fp16 loss scaler, or None.
-        fault: the faults this rank injects in tests (the ``checkpoint`` point).
+        on_shard: called as ``on_shard(path, epoch)`` once this rank's checkpoint shard after
+            ``epoch`` is written (:class:`pt_ray.runtime.engine.EngineHooks`).
     """
 
-    def __init__(self, cfg: RunConfig, layout: Layout, stepper: Stepper, norms: GradNormMeter,
-                 scaler: LossScaler | None, fault: Faults | None) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: RankSettings, layout: Layout, stepper: Stepper,
+                 norms: GradNormMeter, scaler: LossScaler | None,
+                 on_shard: Callable[[Path, int], None] | None = None) -> None:
+        self.settings = settings
         self.layout = layout
         self.stepper = stepper
         self.norms = norms
         self.scaler = scaler
-        self.fault = fault
+        self.on_shard = on_shard
         self.rank, self.world = layout.rank, layout.world
         self.rollback = Rollback(layout.device)
         self.rolled_back = False
@@ -62,7 +62,7 @@ class RankState:
             return False
         if num_frozen is None and self.layout.plan is None:
             return True
-        cap = self.cfg.freeze.max_frozen
+        cap = self.settings.max_frozen
         num_frozen = self.layout.plan.num_frozen if num_frozen is None else num_frozen
         return num_frozen < (self.layout.adapter.num_layers - 1 if cap is None else cap)
 
@@ -111,13 +111,6 @@ class RankState:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def layer_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Parameters of the layers this rank writes into checkpoints
-        (:meth:`Layout.primary_layers`), detached copies on the CPU."""
-        entries = capture_layers(self.layout.modules, self.layout.primary_layers(), (), None,
-                                 copy=True)
-        return {name: entry["params"] for name, entry in entries.items()}
-
     def save_shard(self, directory: Path, epoch: int) -> None:
         """Write this rank's part of the checkpoint after ``epoch``: its primary layers'
         parameters and optimizer state, the gradient norms gathered since the last decision,
@@ -131,9 +124,8 @@ class RankState:
         if self.rollback.snapshots:
             layers["__rollback__"] = self.rollback.state_dict()
         path = write_shard(Path(directory), self.rank, layers)
-        if self.fault is not None and self.fault.due("checkpoint", epoch):
-            path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
-            kill_self()  # half of the shard written
+        if self.on_shard is not None:
+            self.on_shard(path, epoch)
 
     def meta(self, epoch: int) -> dict:
         """Run-level state after ``epoch`` (rank 0 writes it beside the shards)."""
@@ -161,7 +153,7 @@ class RankState:
         states = load_layers_into(self.layout.modules, loaded, self.layout.trained(names, plan),
                                   self.layout.device)
         self.norms.load_state_dict(norms, set(plan.stage_blocks(stage)))
-        if self.cfg.freeze.rollback:
+        if self.settings.rollback:
             self._load_snapshots(Path(directory), meta)
         return meta, states
 

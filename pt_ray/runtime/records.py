@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ from pt_ray.runtime.norms import merge_block_norms, norm_row
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["EpochFigures", "StepReports", "count_correct", "epoch_record", "pipe_score"]
+__all__ = ["CacheFigures", "EpochFigures", "StepReports", "count_correct", "epoch_record",
+           "pipe_score"]
 
 
 @torch.no_grad()
@@ -71,18 +73,74 @@ def pipe_score(layout: Layout, dataset: SampleDataset, batches: list[np.ndarray]
     return total
 
 
-class EpochFigures:
-    """One rank's figures of an epoch, in the order the gather carries them: its loss share,
-    correct count, training and transition times, store figures (bytes, objects) and memory
-    row."""
+@dataclass(frozen=True)
+class CacheFigures:
+    """The activation cache's figures of an epoch, summed over the ranks (zeros without a
+    cache), in the order :func:`pt_ray.runtime.prefix.epoch_counters` gives them.
 
-    def __init__(self, loss_sum: torch.Tensor | float, correct: int, epoch_time: float,
-                 transition: float, held: list[float], memory: list[float]) -> None:
-        self.values = [float(loss_sum), float(correct), epoch_time, transition, *held, *memory]
+    Attributes:
+        rows: rows the cached prefix was asked for.
+        served: rows served from the cache (hit, or advanced from a shallower copy).
+        saved_s: seconds the cache saved over recomputing the prefix.
+        readers: ranks that read the cache.
+        cost_s: seconds spent serving from the cache.
+        uncached_s: seconds the prefix would have taken, recomputed.
+    """
+
+    rows: float = 0.0
+    served: float = 0.0
+    saved_s: float = 0.0
+    readers: float = 0.0
+    cost_s: float = 0.0
+    uncached_s: float = 0.0
+
+    @classmethod
+    def summed(cls, comm: Comm, counters: Sequence[float]) -> CacheFigures:
+        """One rank's ``counters`` summed over every rank (one reduction)."""
+        return cls(*comm.reduce_values(list(counters)))
+
+
+@dataclass(frozen=True)
+class EpochFigures:
+    """One rank's figures of an epoch, gathered over the ranks as one row of numbers.
+
+    Attributes:
+        loss_sum: this rank's share of the epoch's summed step losses.
+        correct: the correct predictions this rank counted in the evaluation.
+        epoch_time: seconds of the epoch's training.
+        transition: seconds spent entering plans.
+        store_bytes: the activation store's bytes (rank 0 of a cached run; 0 elsewhere).
+        store_objects: the activation store's objects (likewise).
+        memory: this rank's memory row (:data:`pt_ray.runtime.memory.FIELDS`).
+    """
+
+    loss_sum: float
+    correct: float
+    epoch_time: float
+    transition: float
+    store_bytes: float
+    store_objects: float
+    memory: tuple[float, ...]
+
+    @classmethod
+    def _scalars(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "memory"]
+
+    def row(self) -> list[float]:
+        """The figures as the gather carries them: the numbers by name, then the memory row."""
+        return [float(getattr(self, name)) for name in self._scalars()] + list(self.memory)
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> EpochFigures:
+        """The figures of a gathered :meth:`row` (its first values; the rest is ignored)."""
+        scalars = cls._scalars()
+        n = len(scalars)
+        return cls(**dict(zip(scalars, row[:n])), memory=tuple(row[n:n + len(FIELDS)]))
 
 
 def epoch_record(comm: Comm, layout: Layout, epoch: int, mine: EpochFigures,
-                 norms: dict[int, float], cache: list[float], evaluation: tuple[bool, int, float],
+                 norms: dict[int, float], cache: CacheFigures,
+                 evaluation: tuple[bool, int, float],
                  steps: int, samples: int) -> tuple[EpochRecord, dict[int, float]]:
     """The epoch's record and its last interval's block norms merged over the ranks, from one
     gather over them (the same on every rank).
@@ -93,8 +151,7 @@ def epoch_record(comm: Comm, layout: Layout, epoch: int, mine: EpochFigures,
         epoch: the epoch.
         mine: this rank's figures.
         norms: this rank's block norms of the epoch's last interval.
-        cache: the activation cache's counters reduced over the ranks
-            (:func:`pt_ray.cache.prefix.epoch_counters`).
+        cache: the activation cache's figures summed over the ranks.
         evaluation: whether the epoch ended with an evaluation, the eval set's size, and this
             rank's seconds scoring it.
         steps: the epoch's steps.
@@ -102,10 +159,10 @@ def epoch_record(comm: Comm, layout: Layout, epoch: int, mine: EpochFigures,
     """
     plan, world = layout.plan, layout.world
     evaluated, eval_size, eval_time = evaluation
-    rows = comm.gather_values(mine.values + norm_row(norms, plan.num_layers))
-    loss_total, correct_total, held_bytes, held_objects = (
-        sum(r[i] for r in rows) for i in (0, 1, 4, 5))
-    epoch_time = max(r[2] for r in rows)
+    width = len(mine.row())
+    rows = comm.gather_values(mine.row() + norm_row(norms, plan.num_layers))
+    ranks = [EpochFigures.from_row(r) for r in rows]
+    epoch_time = max(f.epoch_time for f in ranks)
     rec = EpochRecord(
         epoch=epoch,
         num_frozen=plan.num_frozen,
@@ -115,19 +172,20 @@ def epoch_record(comm: Comm, layout: Layout, epoch: int, mine: EpochFigures,
         num_microbatches=plan.num_microbatches,
         throughput_samples_per_s=samples / max(epoch_time, 1e-9),
         epoch_time_s=epoch_time,
-        transition_time_s=max(r[3] for r in rows),
-        cache_hit_rate=float(cache[1] / cache[0]) if cache[0] else 0.0,
-        train_loss=loss_total / max(steps, 1),
-        eval_metric=correct_total / max(eval_size, 1) if evaluated else float("nan"),
+        transition_time_s=max(f.transition for f in ranks),
+        cache_hit_rate=float(cache.served / cache.rows) if cache.rows else 0.0,
+        train_loss=sum(f.loss_sum for f in ranks) / max(steps, 1),
+        eval_metric=(sum(f.correct for f in ranks) / max(eval_size, 1) if evaluated
+                     else float("nan")),
         eval_time_s=eval_time,
         # Replicas run side by side: the wall time saved is the mean over them.
-        cache_saved_s=float(cache[2] / cache[3]) if cache[3] else 0.0,
-        cache_bytes=int(held_bytes),
-        cache_objects=int(held_objects),
-        cache_cost_ratio=float(cache[4] / cache[5]) if cache[5] else 0.0,
-        memory=rank_memory([v for r in rows for v in r[6:6 + len(FIELDS)]], world),
+        cache_saved_s=float(cache.saved_s / cache.readers) if cache.readers else 0.0,
+        cache_bytes=int(sum(f.store_bytes for f in ranks)),
+        cache_objects=int(sum(f.store_objects for f in ranks)),
+        cache_cost_ratio=float(cache.cost_s / cache.uncached_s) if cache.uncached_s else 0.0,
+        memory=rank_memory([v for f in ranks for v in f.memory], world),
     )
-    return rec, merge_block_norms([r[len(mine.values):] for r in rows])
+    return rec, merge_block_norms([r[width:] for r in rows])
 
 
 class StepReports:

@@ -24,11 +24,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import OptimizerConfig, RunConfig
+from pt_ray.data.sampler import GlobalSampler
 from pt_ray.data.base import (
     Batch,
     DatasetSplits,
@@ -40,7 +43,8 @@ from pt_ray.data.base import (
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import accumulation_chunks, probe_indices, training_sampler
-from pt_ray.control.state import decision_interval, policy_for, start_pipeline_length
+from pt_ray.control.state import decision_interval, policy_for
+from pt_ray.core.plan import start_pipeline_length
 from pt_ray.core.freeze import (
     PROBE_NOW,
     PROBE_REVERTED,
@@ -61,7 +65,7 @@ from pt_ray.runtime.layerstate import capture_layers, load_layers_into
 from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
 from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
 from pt_ray.runtime.rollback import Rollback
-from pt_ray.runtime.sync import clip_grad_norm
+from pt_ray.runtime.clipping import clip_grad_norm
 from pt_ray.runtime.optim import (
     adopt_states,
     build_optimizer,
@@ -73,7 +77,7 @@ from pt_ray.runtime.optim import (
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["ReferenceProbe", "ReferenceTrainer", "evaluate"]
+__all__ = ["ReferenceProbe", "ReferenceSettings", "ReferenceTrainer", "build_reference", "evaluate"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,16 +138,6 @@ class ReferenceProbe:
         self.kept: dict[str, list[torch.Tensor]] | None = None
         self.start_frozen = 0
 
-    @classmethod
-    def for_run(cls, trainer: ReferenceTrainer) -> ReferenceProbe | None:
-        """The trainer's probe; None unless its policy probes."""
-        cfg, train = trainer.cfg, trainer.splits.train
-        held_out = probe_indices(cfg, len(train))
-        if not len(held_out):
-            return None
-        size = cfg.data.eval_batch_size or cfg.data.batch_size
-        return cls(trainer.adapter, train, held_out, size, trainer.precision)
-
     def start(self, num_frozen: int, blocks: int) -> None:
         """Keep the ``blocks`` leading active blocks as they are now (none: no test)."""
         self.kept, self.start_frozen = None, num_frozen
@@ -187,63 +181,143 @@ class ReferenceProbe:
         return total / len(self.indices)
 
 
-class ReferenceTrainer:
-    """Train one model in one process with AutoFreeze.
+@dataclass(frozen=True)
+class ReferenceSettings:
+    """What the reference trainer is told about the run (:class:`ReferenceTrainer`).
+
+    Attributes:
+        optimizer: the optimizer's section.
+        epochs: epochs of the run.
+        batch_size: B, the global batch.
+        eval_batch_size: samples per evaluation forward.
+        loader_workers: background processes that read the samples (``data.num_workers``).
+        activation_checkpointing: recompute the trainable blocks in the backward, as the
+            engine's stages do.
+        precision: ``precision`` (``auto``: fp32 in one CPU process).
+        guard_points: the accuracy guard's tolerance (None: no guard).
+        rollback: ``freeze.rollback``: the guard returns to the start of a harmful freeze's
+            epoch.
+        eval_epochs: the epochs (from 0) that end with an evaluation.
+        every_steps: ``logging.every_steps`` (0: no step reports).
+        interval: steps between the decisions inside an epoch (None: one per epoch;
+            :func:`pt_ray.control.state.decision_interval`).
+        total_samples: the run's training samples (the learning-rate schedule's length).
+    """
+
+    optimizer: OptimizerConfig
+    epochs: int
+    batch_size: int
+    eval_batch_size: int
+    loader_workers: int
+    activation_checkpointing: bool
+    precision: Literal["auto", "fp32", "bf16", "fp16"]
+    guard_points: float | None
+    rollback: bool
+    eval_epochs: frozenset[int]
+    every_steps: int
+    interval: int | None
+    total_samples: int
+
+
+def build_reference(
+    cfg: RunConfig,
+    *,
+    splits: DatasetSplits | None = None,
+    adapter: ModelAdapter | None = None,
+    policy: FreezePolicy | None = None,
+    on_step_report: Callable[[StepRecord], None] | None = None,
+) -> ReferenceTrainer:
+    """The reference trainer of the run ``cfg``, its parts built from the config.
 
     Args:
         cfg: the run configuration.
         splits: datasets (default: built from ``cfg.data``).
         adapter: the model (default: built from ``cfg.model`` for ``splits``).
         policy: the freeze policy (default: from ``cfg.freeze``, L from the model).
+        on_step_report: see :class:`ReferenceTrainer`.
+    """
+    splits = splits or build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    adapter = adapter or build_model_for(cfg, splits)
+    # The run's order, as the engine's (the same with the cache on or off).
+    sampler = training_sampler(cfg, len(splits.train))
+    # With the pipeline pinned (pipeline.elastic=false) the Ray run freezes at most L - K0.
+    layers, workers = adapter.num_layers, cfg.pipeline.num_workers
+    pinned = (None if cfg.pipeline.elastic
+              else start_pipeline_length(cfg.pipeline.pipeline_length, layers, workers))
+    policy = policy or policy_for(cfg, layers, sampler.steps_per_epoch, pinned_length=pinned)
+    f, steps = cfg.freeze, sampler.steps_per_epoch
+    settings = ReferenceSettings(
+        optimizer=cfg.optimizer, epochs=cfg.epochs, batch_size=cfg.data.batch_size,
+        eval_batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+        loader_workers=cfg.data.num_workers,
+        activation_checkpointing=cfg.pipeline.activation_checkpointing,
+        precision=cfg.precision,
+        guard_points=f.guard_points if policy_traits(f.policy).freezes else None,
+        rollback=f.rollback,
+        eval_epochs=frozenset(e for e in range(cfg.epochs) if cfg.evaluates_after(e)),
+        every_steps=cfg.logging.every_steps, interval=decision_interval(cfg, steps),
+        total_samples=cfg.epochs * steps * cfg.data.batch_size)
+    return ReferenceTrainer(settings, splits=splits, adapter=adapter, policy=policy,
+                            sampler=sampler,
+                            probe_samples=probe_indices(cfg, len(splits.train)),
+                            on_step_report=on_step_report)
+
+
+class ReferenceTrainer:
+    """Train one model in one process with AutoFreeze (:func:`build_reference` builds one from
+    a config).
+
+    Args:
+        settings: what the trainer is told about the run.
+        splits: the datasets.
+        adapter: the model.
+        policy: the freeze policy.
+        sampler: the run's sample order (the engine's).
+        probe_samples: the probe's training samples (:func:`pt_ray.data.sampler.probe_indices`;
+            empty unless the policy probes).
         on_step_report: with ``logging.every_steps`` N > 0, called with the
             :class:`~pt_ray.reporting.steplog.StepRecord` of every N-th step of the run.
     """
 
     def __init__(
         self,
-        cfg: RunConfig,
+        settings: ReferenceSettings,
         *,
-        splits: DatasetSplits | None = None,
-        adapter: ModelAdapter | None = None,
-        policy: FreezePolicy | None = None,
+        splits: DatasetSplits,
+        adapter: ModelAdapter,
+        policy: FreezePolicy,
+        sampler: GlobalSampler,
+        probe_samples: np.ndarray,
         on_step_report: Callable[[StepRecord], None] | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.settings = s = settings
         self.on_step_report = on_step_report
-        every = cfg.logging.every_steps
+        every = s.every_steps
         self.step_window = StepWindow(every) if on_step_report is not None and every else None
-        self.splits = splits or build_dataset(cfg.data, seed=cfg.seed,
-                                                 tokenizer_dir=cfg.model.weights)
-        self.adapter = adapter or build_model_for(cfg, self.splits)
-        # The run's order, as the engine's (the same with the cache on or off).
-        self.sampler = training_sampler(cfg, len(self.splits.train))
-        # With the pipeline pinned (pipeline.elastic=false) the Ray run freezes at most L - K0.
-        layers, workers = self.adapter.num_layers, cfg.pipeline.num_workers
-        pinned = None if cfg.pipeline.elastic else start_pipeline_length(cfg, layers, workers)
-        self.policy = policy or policy_for(cfg, layers, self.sampler.steps_per_epoch,
-                                           pinned_length=pinned)
+        self.splits = splits
+        self.adapter = adapter
+        self.sampler = sampler
+        self.policy = policy
         self.optimizer = build_optimizer(
-            cfg.optimizer,
-            layer_param_groups(iter_layers(self.adapter), cfg.optimizer.weight_decay),
+            s.optimizer,
+            layer_param_groups(iter_layers(self.adapter), s.optimizer.weight_decay),
         )
         self.num_frozen = 0
         self.global_step = 0
-        self.lr = cfg.optimizer.lr  # the last step's learning rate
+        self.lr = s.optimizer.lr  # the last step's learning rate
         self.norms = GradNormMeter()
-        self.precision = resolve_precision(cfg.precision, torch.device("cpu"))
+        self.precision = resolve_precision(s.precision, torch.device("cpu"))
         self.scaler = LossScaler() if self.precision.scaled else None
-        self.total_samples = cfg.epochs * self.sampler.steps_per_epoch * cfg.data.batch_size
-        f = cfg.freeze
-        self.guard = FreezeGuard(f.guard_points if policy_traits(f.policy).freezes else None,
-                                 f.rollback)
+        self.guard = FreezeGuard(s.guard_points, s.rollback)
         self.rollback = Rollback()
         self.rollbacks: list[dict] = []
         # Decisions are counted as the engine counts them: one opens each epoch, one more every
         # `interval` steps inside it (None: per epoch).
         self.decision = 0
-        self.interval = decision_interval(cfg, self.sampler.steps_per_epoch)
+        self.interval = s.interval
         self.discarded: list[EpochRecord] = []
-        self.probe = ReferenceProbe.for_run(self)
+        self.probe = (ReferenceProbe(adapter, splits.train, probe_samples, s.eval_batch_size,
+                                     self.precision) if len(probe_samples) else None)
         self._epoch = 0
         self._set_modes()
 
@@ -310,10 +384,9 @@ class ReferenceTrainer:
         trained = set(modules) - set(frozen)
         states = load_layers_into(modules, snap.layers, trained, torch.device("cpu"))
         self.num_frozen = num_frozen
+        optimizer = self.settings.optimizer
         self.optimizer = build_optimizer(
-            self.cfg.optimizer,
-            layer_param_groups(iter_layers(self.adapter), self.cfg.optimizer.weight_decay),
-        )
+            optimizer, layer_param_groups(iter_layers(self.adapter), optimizer.weight_decay))
         remove_layers(self.optimizer, frozen)
         adopt_states(self.optimizer, [pair for name, layer_states in states.items()
                                       for pair in zip(modules[name].parameters(), layer_states)])
@@ -354,11 +427,12 @@ class ReferenceTrainer:
         chunk's mean loss is weighted by its share of the batch (1 / A), so the summed gradient is
         the whole batch's mean-loss gradient; norms, clipping and the step then run once.
         """
-        self.lr = self.cfg.optimizer.lr * lr_factor(
-            self.global_step * self.cfg.data.batch_size / self.total_samples, self.cfg.optimizer)
+        s = self.settings
+        self.lr = s.optimizer.lr * lr_factor(
+            self.global_step * s.batch_size / s.total_samples, s.optimizer)
         set_lr(self.optimizer, self.lr)
         self.optimizer.zero_grad(set_to_none=True)
-        parts = accumulation_chunks(len(batch), self.cfg.optimizer.accumulation_steps)
+        parts = accumulation_chunks(len(batch), s.optimizer.accumulation_steps)
         loss: torch.Tensor | float = 0.0
         for part in parts:
             chunk = batch if len(parts) == 1 else Batch(
@@ -384,7 +458,7 @@ class ReferenceTrainer:
             else:
                 state = a.embed(*batch.inputs)
             # As the engine's stages: the trainable blocks checkpointed when configured.
-            state = run_blocks(a.blocks[n:], state, self.cfg.pipeline.activation_checkpointing)
+            state = run_blocks(a.blocks[n:], state, self.settings.activation_checkpointing)
             out = prec.logits(a.head(*state))
         return a.loss(out, batch.target)
 
@@ -396,7 +470,7 @@ class ReferenceTrainer:
         if self.scaler is not None:
             scale = self.scaler.scale
             scaled = block_grad_norms(a, range(n, a.num_layers))
-            norm, _ = clip_grad_norm(None, params, self.cfg.optimizer.grad_clip, None,
+            norm, _ = clip_grad_norm(None, params, self.settings.optimizer.grad_clip, None,
                                      inv_scale=1.0 / scale)
             found_inf = not bool(torch.isfinite(norm))
             self.scaler.update(found_inf)
@@ -409,15 +483,16 @@ class ReferenceTrainer:
             return loss
         self.norms.add(block_grad_norms(a, range(n, a.num_layers)))
         self.norms.add_loss(loss)
-        if self.cfg.optimizer.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip)
+        clip = self.settings.optimizer.grad_clip
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         self.optimizer.step()
         self.global_step += 1
         return loss
 
     def train_epoch(self, epoch: int) -> EpochRecord:
         """Train one epoch (with its decision points) and evaluate."""
-        cfg = self.cfg
+        s = self.settings
         transition = 0.0
         self._epoch = epoch
         g = self.guard
@@ -431,7 +506,7 @@ class ReferenceTrainer:
         frozen_steps = 0
         t0 = time.perf_counter()
         mark = t0  # where the next step's wall time starts, for the step reports
-        for batch in iterate_batches(self.splits.train, steps, cfg.data.num_workers):
+        for batch in iterate_batches(self.splits.train, steps, s.loader_workers):
             if self.interval is not None and losses and len(losses) % self.interval == 0:
                 self.decision += 1
                 transition += self.decide(self.decision)
@@ -452,12 +527,10 @@ class ReferenceTrainer:
         self.decision += 1  # the epoch's last interval feeds the decision opening the next
         t1 = time.perf_counter()
         metric = float("nan")
-        if cfg.evaluates_after(epoch):
-            metric = evaluate(
-                self.adapter, self.splits, cfg.data.eval_batch_size or cfg.data.batch_size,
-                cfg.data.num_workers, self.precision,
-            )
-        samples = len(steps) * cfg.data.batch_size
+        if epoch in s.eval_epochs:
+            metric = evaluate(self.adapter, self.splits, s.eval_batch_size, s.loader_workers,
+                              self.precision)
+        samples = len(steps) * s.batch_size
         return EpochRecord(
             epoch=epoch,
             num_frozen=self.num_frozen,
@@ -476,11 +549,11 @@ class ReferenceTrainer:
         )
 
     def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None) -> list[EpochRecord]:
-        """Train for ``cfg.epochs`` epochs; returns the timeline (after a rollback, the epochs
+        """Train for the run's epochs; returns the timeline (after a rollback, the epochs
         trained again replace the undone ones, which are kept in :attr:`discarded`)."""
         timeline: list[EpochRecord] = []
         epoch = 0
-        while epoch < self.cfg.epochs:
+        while epoch < self.settings.epochs:
             rec = self.train_epoch(epoch)
             timeline.append(rec)
             if on_epoch is not None:

@@ -27,7 +27,6 @@ import time
 import numpy as np
 import torch
 
-from pt_ray.core.config import RunConfig
 from pt_ray.data.base import (
     Batch,
     DatasetSplits,
@@ -40,60 +39,73 @@ from pt_ray.data.base import (
 from pt_ray.data.loader import iterate_batches
 from pt_ray.data.sampler import accumulation_chunks, split_for_replica
 from pt_ray.models.base import ModelAdapter
+from pt_ray.runtime.clipping import clip_grad_norm
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.layout import Layout, to_device_batch
 from pt_ray.runtime.norms import GradNormMeter
 from pt_ray.runtime.optim import lr_factor, set_lr
 from pt_ray.runtime.precision import LossScaler
 from pt_ray.cache.prefix import CachedPrefix
-from pt_ray.runtime.sync import clip_grad_norm
+from pt_ray.runtime.settings import StepSettings
 
-__all__ = ["Stepper"]
+__all__ = ["StepLoss", "Stepper"]
 
 logger = logging.getLogger(__name__)
+
+
+class StepLoss:
+    """The loss the backward starts from: the model's mean loss times the pass's share of the
+    step (:attr:`weight`, under gradient accumulation) and, under fp16, the loss scale. Built
+    before the layout, whose pipeline schedule's last stage starts its backward from it.
+
+    Args:
+        adapter: the model (its loss).
+        scaler: the fp16 loss scaler, or None.
+    """
+
+    def __init__(self, adapter: ModelAdapter, scaler: LossScaler | None) -> None:
+        self.adapter = adapter
+        self.scaler = scaler
+        self.weight = 1.0  # the current pass's share of the step
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.adapter.loss(output, target)
+        if self.weight != 1.0:
+            loss = loss * self.weight
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
 
 class Stepper:
     """Runs the steps of one rank and counts them.
 
     Args:
-        cfg: the run configuration.
-        adapter: the model (its loss).
+        settings: what the steps are told about the run.
+        layout: the rank's layout (what it holds and runs; built with ``loss``).
+        prefix: the activation cache's frozen prefix on stage 0 (None: no cache in this run).
+        loss: the step's loss (the one ``layout`` was built with).
         splits: the datasets (read by index).
         comm: the run's communication.
         norms: where each step's per-block gradient norms and loss share go.
-        scaler: the fp16 loss scaler, or None.
-        total_samples: the run's training samples (the learning-rate schedule's length).
     """
 
-    def __init__(self, cfg: RunConfig, adapter: ModelAdapter, splits: DatasetSplits,
-                 comm: Comm, norms: GradNormMeter, scaler: LossScaler | None,
-                 total_samples: int) -> None:
-        self.cfg = cfg
-        self.adapter = adapter
+    def __init__(self, settings: StepSettings, layout: Layout, prefix: CachedPrefix | None,
+                 loss: StepLoss, splits: DatasetSplits, comm: Comm,
+                 norms: GradNormMeter) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.prefix = prefix
+        self.loss = loss
         self.splits = splits
         self.comm = comm
         self.norms = norms
-        self.scaler = scaler
-        self.total_samples = total_samples
-        self.layout: Layout | None = None  # set once the layout exists (it takes `loss`)
-        self.prefix: CachedPrefix | None = None
+        self.scaler = loss.scaler
         self._ahead = None  # the epoch's reads, loaded in background workers, in order
         self._ahead_reads: list[np.ndarray] | None = None  # what they load
         self.prefetched = 0  # reads served by them (for tests and logs)
         self.kept_ahead = 0  # epochs whose reads were already loading when they opened
         self.global_step = 0
         self.samples_seen = 0
-        self.lr = cfg.optimizer.lr  # the last step's learning rate
-        self._weight = 1.0  # the current pass's share of the step (gradient accumulation)
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss the backward starts from: the mean loss times the pass's share of the step
-        (gradient accumulation) and, under fp16, the loss scale."""
-        loss = self.adapter.loss(output, target)
-        if self._weight != 1.0:
-            loss = loss * self._weight
-        return loss * self.scaler.scale if self.scaler is not None else loss
+        self.lr = settings.optimizer.lr  # the last step's learning rate
 
     def step(self, indices: np.ndarray) -> torch.Tensor | float:
         """One optimizer step on the global batch ``indices``; returns this rank's share of the
@@ -106,12 +118,12 @@ class Stepper:
         of its chunk and leaves its gradients summed into ``.grad``; the data-parallel
         reduction, norms, clipping and the step then run once.
         """
-        layout, cfg = self.layout, self.cfg
+        layout, s = self.layout, self.settings
         r = layout.plan.num_replicas
-        per_replica = cfg.batch_policy == "per_replica"
-        scale = r if per_replica and cfg.optimizer.scale_lr_with_replicas else 1
-        progress = self.samples_seen / self.total_samples
-        self.lr = cfg.optimizer.lr * scale * lr_factor(progress, cfg.optimizer)
+        per_replica = s.batch_policy == "per_replica"
+        scale = r if per_replica and s.optimizer.scale_lr_with_replicas else 1
+        progress = self.samples_seen / s.total_samples
+        self.lr = s.optimizer.lr * scale * lr_factor(progress, s.optimizer)
         set_lr(layout.optimizer, self.lr)
         layout.optimizer.zero_grad(set_to_none=True)
         loss = self._passes(indices)
@@ -126,12 +138,12 @@ class Stepper:
     def _passes(self, indices: np.ndarray) -> torch.Tensor | float:
         """The step's passes (one per accumulation chunk), gradients summed in ``.grad`` and
         reduced by the last; returns this rank's part of the replica loss (as :meth:`_pass`)."""
-        parts = accumulation_chunks(len(indices), self.cfg.optimizer.accumulation_steps)
+        parts = accumulation_chunks(len(indices), self.settings.optimizer.accumulation_steps)
         loss: torch.Tensor | float = 0.0
         for c, part in enumerate(parts):
             weight = 1.0 if len(parts) == 1 else (part.stop - part.start) / len(indices)
             loss = loss + self._pass(indices[part], weight, sync=c == len(parts) - 1)
-        self._weight = 1.0
+        self.loss.weight = 1.0
         return loss
 
     def rehearse(self, batches: list[np.ndarray]) -> float:
@@ -169,9 +181,9 @@ class Stepper:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         params = [p for p in layout.stage.parameters() if p.requires_grad]
         # One pass over the gradients gives the global norm and the per-block ones.
-        total, block_norms = clip_grad_norm(self.comm, params, self.cfg.optimizer.grad_clip,
+        total, block_norms = clip_grad_norm(self.comm, params, self.settings.optimizer.grad_clip,
                                             layout.topo.pipeline_group, inv_scale=1.0 / scale,
-                                            blocks=layout.block_index)
+                                            blocks=layout.param_blocks)
         if self.scaler is not None:
             # The norm summed over the pipeline after the replicas' reduction: an inf/nan on any
             # rank is seen by every rank, which all skip the step and back off alike.
@@ -185,7 +197,7 @@ class Stepper:
             if block_norms is not None:
                 block_norms = block_norms / scale
         if block_norms is not None:
-            self.norms.add_vector(layout.block_index.first, block_norms)
+            self.norms.add_vector(layout.param_blocks.first, block_norms)
         else:
             self.norms.add({})
         return True
@@ -213,7 +225,7 @@ class Stepper:
             args, target = batch.inputs, batch.target
         if last and target is None:  # the last stage needs the labels only
             target = gather_targets(self.splits.train, mine.tolist()).to(layout.device)
-        self._weight = weight
+        self.loss.weight = weight
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if layout.schedule is None:
             quiet = layout.ddp is not None and not sync
@@ -248,7 +260,7 @@ class Stepper:
         self.close_prefetch()
         if reads is None:
             return
-        self._ahead = iterate_batches(self.splits.train, reads, self.cfg.data.num_workers,
+        self._ahead = iterate_batches(self.splits.train, reads, self.settings.loader_workers,
                                       stored=True, pin_memory=self.layout.device.type == "cuda")
         self._ahead_reads = reads
 
@@ -268,9 +280,10 @@ class Stepper:
         reads no inputs, or loads in the training process)."""
         layout = self.layout
         topo, plan = layout.topo, layout.plan
-        if self.cfg.data.num_workers == 0 or not topo.is_first_stage or layout.stage.state_inputs:
+        if (self.settings.loader_workers == 0 or not topo.is_first_stage
+                or layout.stage.state_inputs):
             return None
-        passes = self.cfg.optimizer.accumulation_steps
+        passes = self.settings.optimizer.accumulation_steps
         return [split_for_replica(idx[part], topo.replica, plan.num_replicas)
                 for idx in steps for part in accumulation_chunks(len(idx), passes)]
 

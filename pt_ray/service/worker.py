@@ -34,7 +34,7 @@ import torch._dynamo  # noqa: F401
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
 from pt_ray.data.registry import build_dataset
-from pt_ray.runtime.faults import FaultSwitch, Faults, stall
+from pt_ray.runtime.faults import FaultSwitch, Faults, fault_hooks, stall
 from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
 from pt_ray.runtime.checkpoint import read_meta, usable_checkpoint, write_meta
 from pt_ray.runtime.engine import ElasticWorker, EngineHooks
@@ -223,9 +223,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             at_step(epoch, step)
 
     steps = _step_reporter(cfg, rank, config.get("run_dir"))
+    hooks = fault_hooks(fault, EngineHooks(on_step=on_step, on_step_report=steps))
     worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, store=store,
-                           hooks=EngineHooks(on_step=on_step, on_step_report=steps, fault=fault))
+                           device=device, store=store, hooks=hooks)
     controller.setup(adapter.num_layers, world, worker.sampler.steps_per_epoch,
                      adapter.metric_name, _hardware(cfg, device, rank),
                      splits.train.deterministic_transform)

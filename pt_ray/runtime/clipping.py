@@ -1,5 +1,6 @@
 """Global-norm clipping across a pipeline that also unscales fp16 gradients and finds an inf/nan
-on any rank (DDP averages the gradients over the replicas before it).
+on any rank (DDP averages the gradients over the replicas before it), and the per-block norms
+that come from the same pass (:class:`ParamBlocks`: which block each parameter belongs to).
 
 Every call goes through :class:`pt_ray.runtime.comm.Comm`, so gradients and norms sit on the
 group's device. Nothing here reads a value back to the host unless the caller asks for it
@@ -14,7 +15,7 @@ import torch
 
 from pt_ray.runtime.comm import Comm
 
-__all__ = ["BlockIndex", "clip_grad_norm"]
+__all__ = ["ParamBlocks", "clip_grad_norm"]
 
 
 def clip_grad_norm(
@@ -23,7 +24,7 @@ def clip_grad_norm(
     max_norm: float | None,
     group,
     inv_scale: float = 1.0,
-    blocks: BlockIndex | None = None,
+    blocks: ParamBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unscale and clip to a global norm over every stage of the pipeline.
 
@@ -73,7 +74,7 @@ def clip_grad_norm(
     return total, per_block
 
 
-class BlockIndex:
+class ParamBlocks:
     """Which block (counted from ``first``) each trained parameter of a stage belongs to; -1 for
     the embedding and the head.
 
