@@ -27,12 +27,12 @@ def _rec(epoch: int, num_frozen: int, metric: float) -> EpochRecord:
                        train_loss=1.0, eval_metric=metric)
 
 
-def _control(rollback: bool):
+def _control(rollback: bool, workers: int = 2):
     cfg = load_config(None, ["model.depth=4", "freeze.policy=schedule", "freeze.alpha=0.5",
                              "freeze.warmup_epochs=1", f"freeze.rollback={str(rollback).lower()}",
                              "epochs=6", "pipeline.start_trial_margin=0"])
-    state = build_control_state(cfg, 4, 2, 4)
-    for r in range(2):
+    state = build_control_state(cfg, 4, workers, 4)
+    for r in range(workers):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
     return state
 
@@ -79,6 +79,47 @@ def test_controller_rollback_reopens_the_harmful_epoch_with_the_earlier_layout()
     assert other.resume(saved, 3) == p3
     assert other.guard.stopped and other.rollbacks == state.rollbacks
     assert [r.epoch for r in other.discarded] == [1]
+
+
+def test_a_verdict_against_a_freeze_from_before_a_resize_keeps_it_and_says_so(caplog):
+    """Resumed on 1 worker instead of 2, no rank holds a snapshot from before the restart, so
+    the guard's verdict against the freeze of epoch 1 (seen at epoch 3's eval) keeps the freeze
+    and stops freezing, with a warning and the reason in the decisions, instead of ordering a
+    rollback every worker would fail on. A freeze made after the restart still rolls back."""
+    nan = float("nan")
+    state = _control(rollback=True)
+    assert _epoch_end(state, 0, _rec(0, 0, 0.90)).num_frozen == 2
+    assert _epoch_end(state, 1, _rec(1, 2, nan)).num_frozen == 3  # not evaluated
+    saved = state.state_dict()  # the checkpoint after epoch 1; the run restarts on 1 worker
+
+    resized = _control(rollback=True, workers=1)
+    plan = resized.resume(saved, 2)
+    assert (plan.num_workers, plan.num_frozen, resized.resized_at) == (1, 3, 2)
+    with caplog.at_level("WARNING", logger="pt_ray.control.state"):
+        kept = _epoch_end(resized, 2, _rec(2, 3, 0.80))
+    assert kept.rollback_to is None and kept.num_frozen == 3
+    assert resized.guard.stopped and resized.rollbacks == []
+    assert resized.kept == {"decision": 3, "epoch": 2, "freeze_epoch": 1, "resized_at": 2,
+                            "before": 0.90, "after": 0.80}
+    reason = resized.decisions[-1]["reason"]
+    assert "the freeze is kept" in reason and "resumed on 1 workers at epoch 2" in reason
+    assert any("no snapshot crosses a resize" in r.message for r in caplog.records)
+    # It is decided once: the next epoch neither rolls back nor records it again.
+    assert _epoch_end(resized, 3, _rec(3, 3, 0.81)).rollback_to is None
+    assert resized.kept["decision"] == 3
+    again = _control(rollback=True, workers=1)  # and a checkpoint keeps both facts
+    again.resume(resized.state_dict(), 4)
+    assert (again.resized_at, again.kept) == (2, resized.kept)
+
+    # Restarted on 1 worker after epoch 0 instead: epoch 1's freeze is made after the restart,
+    # where every rank kept a snapshot (the resumed weights), so it rolls back as usual.
+    early = _control(rollback=True)
+    _epoch_end(early, 0, _rec(0, 0, 0.90))
+    after = _control(rollback=True, workers=1)
+    assert after.resume(early.state_dict(), 1).num_frozen == 2 and after.resized_at == 1
+    rolled = _epoch_end(after, 1, _rec(1, 2, 0.80))
+    assert (rolled.rollback_to, rolled.num_frozen) == (1, 0)
+    assert after.kept is None and after.rollbacks[0]["rollback_to"] == 1
 
 
 @dataclass

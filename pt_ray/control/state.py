@@ -114,7 +114,9 @@ class ControlState:
 
     With ``interval=epoch``, decision ``d`` opens epoch ``d`` until a rollback: the plan that
     orders one (``rollback_to = q``) opens epoch ``q`` again, and the decisions after it open
-    the epochs after ``q`` in turn.
+    the epochs after ``q`` in turn. A run resumed on another number of workers holds no
+    snapshot from before its restart, so a verdict against a freeze made before it keeps the
+    freeze instead (:meth:`_keep_freeze`).
     """
 
     def __init__(
@@ -144,6 +146,10 @@ class ControlState:
         self.decisions: list[dict[str, Any]] = []
         self.rollbacks: list[dict[str, Any]] = []
         self.discarded: list[EpochRecord] = []
+        # The first epoch trained after a restart on another number of workers (None: none),
+        # and the guard's verdict kept because of it (no rollback crosses a resize).
+        self.resized_at: int | None = None
+        self.kept: dict[str, Any] | None = None
         self._cost_tables: dict[int, CostTable] = {}
         self._plain_memo: dict[int, tuple[Any, dict[str, Any]]] = {}
 
@@ -242,11 +248,16 @@ class ControlState:
         assert self.planner is not None, "norms arrived before costs"
         prev = self.plans[decision - 1]
         verdict = self.guard.verdict
-        if verdict is not None and verdict.rollback and not self.rollbacks:
-            self._roll_back(decision, prev)
-            return
+        kept = ""
+        if verdict is not None and verdict.rollback and not self.rollbacks and not self.kept:
+            if self.resized_at is None or verdict.freeze_epoch >= self.resized_at:
+                self._roll_back(decision, prev)
+                return
+            kept = self._keep_freeze(decision)
         result = self.guard.hold(self.policy.decide(decision, prev.num_frozen, norms),
                                  prev.num_frozen)
+        if kept:
+            result = replace(result, reason=f"{kept}; {result.reason}")
         plan = self.planner.next_plan(prev, result.num_frozen)
         changed = plan is not prev
         self.plans[decision] = plan = _probing(plan, 0 if self.guard.stopped else result.probe)
@@ -292,6 +303,20 @@ class ControlState:
                        transition_line(f"{self.decision_label} {decision}", prev, plan), q,
                        v.describe())
 
+    def _keep_freeze(self, decision: int) -> str:
+        """The guard asks to undo a freeze made before a restart on another number of workers:
+        no rank holds that epoch's snapshot any more, so the freeze stays, freezing stops (the
+        guard holds it), and the reason says so. Returns that reason; logs a warning."""
+        v = self.guard.verdict
+        self.kept = {"decision": decision, "epoch": v.epoch, "freeze_epoch": v.freeze_epoch,
+                     "resized_at": self.resized_at, "before": v.before, "after": v.after}
+        reason = (f"guard: eval metric fell from {v.before:.4f} to {v.after:.4f} after the "
+                  f"freeze of epoch {v.freeze_epoch}, but the run resumed on {self.num_workers} "
+                  f"workers at epoch {self.resized_at} and no snapshot crosses a resize: the "
+                  "freeze is kept, freezing stops")
+        logger.warning("%s %d: %s", self.decision_label, decision, reason)
+        return reason
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -309,6 +334,8 @@ class ControlState:
             "discarded": [self._plain(r) for r in self.discarded],
             "start_trials": list(self.start_trials),
             "start_plan": self._plain(self.start_plan) if self.start_plan else None,
+            "resized_at": self.resized_at,
+            "kept": self.kept,
         }
 
     def _plain(self, item: Any) -> dict[str, Any]:
@@ -332,6 +359,7 @@ class ControlState:
         plan = self.plans[next_decision]
         if plan.num_workers != self.num_workers:
             assert self.planner is not None
+            self.resized_at = max((r.epoch for r in self.timeline), default=-1) + 1
             new = self.planner.replan(plan, self.num_workers)
             logger.info("resumed on %d workers instead of %d: %s", self.num_workers,
                         plan.num_workers, new.describe())
@@ -363,6 +391,8 @@ class ControlState:
         self.rollbacks = list(state.get("rollbacks", []))
         self.discarded = [EpochRecord.from_dict(r) for r in state.get("discarded", [])]
         self.start_trials = list(state.get("start_trials", []))
+        self.resized_at = state.get("resized_at")
+        self.kept = state.get("kept")
 
 
 def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
