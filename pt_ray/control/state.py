@@ -22,8 +22,8 @@ from pt_ray.cache.size import memo_limit
 from pt_ray.core.config import RunConfig
 from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
-from pt_ray.core.freeze import (FreezeGuard, FreezePolicy, FreezeSettings, policy_class,
-                                policy_traits)
+from pt_ray.core.freeze import (FreezeGuard, FreezePolicy, FreezeSettings, GuardVerdict,
+                                policy_class, policy_traits)
 from pt_ray.costs.hwprofile import HardwareProfile, load_hardware
 from pt_ray.core.plan import (
     CostTable,
@@ -63,7 +63,7 @@ def merge_costs(tables: list[CostTable]) -> CostTable:
             max(c.activation_bytes for c in costs),
             max(c.param_bytes for c in costs),
             None if any(c.saved_bytes is None for c in costs)
-            else max(c.saved_bytes for c in costs),
+            else max(c.saved_bytes or 0.0 for c in costs),
             median(c.forward_fixed_s for c in costs),
             median(c.backward_fixed_s for c in costs),
         )
@@ -153,6 +153,12 @@ class ControlState:
         self._cost_tables: dict[int, CostTable] = {}
         self._plain_memo: dict[int, tuple[Any, dict[str, Any]]] = {}
 
+    @property
+    def _planner(self) -> Planner:
+        """The planner, once the merged cost table has made it."""
+        assert self.planner is not None, "a plan was asked for before the costs arrived"
+        return self.planner
+
     # -- inputs --------------------------------------------------------------------------------
 
     def submit_costs(self, rank: int, costs: CostTable) -> None:
@@ -189,15 +195,15 @@ class ControlState:
     def _first_plan(self, plan: Plan) -> None:
         """Decision 0's plan: ``plan``, with what the policy freezes before any training."""
         self.start_plan = plan
-        self.planner.start_on(plan)
+        self._planner.start_on(plan)
         first = self.policy.decide(0, 0, None)
         if first.num_frozen:
-            plan = self.planner.next_plan(plan, first.num_frozen)
+            plan = self._planner.next_plan(plan, first.num_frozen)
         self.plans[0] = plan = _probing(plan, first.probe)
         logger.info("initial plan %s", plan.describe())
         self._say_feed(plan)
         if plan.num_frozen:
-            logger.info("%s 0: %s", self.decision_label, self.planner.cache_reason(plan))
+            logger.info("%s 0: %s", self.decision_label, self._planner.cache_reason(plan))
 
     def submit_norms(self, decision: int, norms: Mapping[int, float]) -> None:
         """The per-block gradient norms of every trained block during interval ``decision``
@@ -251,9 +257,9 @@ class ControlState:
         kept = ""
         if verdict is not None and verdict.rollback and not self.rollbacks and not self.kept:
             if self.resized_at is None or verdict.freeze_epoch >= self.resized_at:
-                self._roll_back(decision, prev)
+                self._roll_back(decision, prev, verdict)
                 return
-            kept = self._keep_freeze(decision)
+            kept = self._keep_freeze(decision, verdict)
         result = self.guard.hold(self.policy.decide(decision, prev.num_frozen, norms),
                                  prev.num_frozen)
         if kept:
@@ -277,13 +283,12 @@ class ControlState:
     def _say_feed(self, plan: Plan) -> None:
         """Log what each device of ``plan`` receives per forward; a warning when it is fewer
         samples than ``min_device_batch``."""
-        line, short = feed_line(plan, self.planner.settings, self.min_device_batch)
+        line, short = feed_line(plan, self._planner.settings, self.min_device_batch)
         (logger.warning if short else logger.info)("%s: %s", plan.describe(), line)
 
-    def _roll_back(self, decision: int, prev: Plan) -> None:
+    def _roll_back(self, decision: int, prev: Plan, v: GuardVerdict) -> None:
         """Order the guard's rollback: decision ``decision`` reopens the harmful freeze's first
         epoch with the layout that trained the epoch before it (a new generation)."""
-        v = self.guard.verdict
         q = v.freeze_epoch
         # No rollback has happened yet, so the prefix only grew: the layout that trained the
         # start of epoch q is the last plan with the prefix the guard restores.
@@ -303,11 +308,10 @@ class ControlState:
                        transition_line(f"{self.decision_label} {decision}", prev, plan), q,
                        v.describe())
 
-    def _keep_freeze(self, decision: int) -> str:
+    def _keep_freeze(self, decision: int, v: GuardVerdict) -> str:
         """The guard asks to undo a freeze made before a restart on another number of workers:
         no rank holds that epoch's snapshot any more, so the freeze stays, freezing stops (the
         guard holds it), and the reason says so. Returns that reason; logs a warning."""
-        v = self.guard.verdict
         self.kept = {"decision": decision, "epoch": v.epoch, "freeze_epoch": v.freeze_epoch,
                      "resized_at": self.resized_at, "before": v.before, "after": v.after}
         reason = (f"guard: eval metric fell from {v.before:.4f} to {v.after:.4f} after the "
@@ -381,7 +385,7 @@ class ControlState:
         self.plans = {int(d): _plan(p) for d, p in state["plans"].items()}
         if state.get("start_plan") is not None:
             self.start_plan = _plan(state["start_plan"])
-            self.planner.start_on(self.start_plan)
+            self._planner.start_on(self.start_plan)
         self.timeline = [EpochRecord.from_dict(r) for r in state["timeline"]]
         self.decisions = list(state["decisions"])
         if state.get("policy") is not None and hasattr(self.policy, "load_state_dict"):

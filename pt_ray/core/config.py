@@ -131,6 +131,9 @@ class ModelConfig(_Section):
         return self
 
 
+PartOfSpeech = Literal["noun", "verb", "adj", "adv"]
+NOUNS: tuple[PartOfSpeech, ...] = ("noun",)  # wordnet's default: the noun synsets
+
 class DataConfig(_Section):
     """Where samples come from and how they are batched."""
 
@@ -186,8 +189,8 @@ class DataConfig(_Section):
     """Classification: keep only these labels, renumbered 0..k-1 in the order given, in the
     training and the eval split (e.g. ``[5, 6, 7, 8, 9]``: those five classes as 0-4);
     ``data.num_samples`` then caps what remains. None: every class."""
-    parts_of_speech: list[Literal["noun", "verb", "adj", "adv"]] = Field(
-        default_factory=lambda: ["noun"], min_length=1)
+    parts_of_speech: list[PartOfSpeech] = Field(default_factory=lambda: list(NOUNS),
+                                                min_length=1)
     """``wordnet``: the ``data.<part>`` files read, each synset a sample (nouns: 26 classes,
     verbs: 15 more)."""
 

@@ -763,10 +763,10 @@ class FreezeGuard:
 
     def hold(self, result: FreezeDecision, num_frozen: int) -> FreezeDecision:
         """``result`` as the guard lets it stand: unchanged until a verdict, then no growth."""
-        if not self.stopped or result.num_frozen <= num_frozen:
+        v = self.verdict
+        if v is None or result.num_frozen <= num_frozen:
             return result
-        return FreezeDecision(num_frozen, num_frozen,
-                              f"guard: freezing stopped at epoch {self.verdict.epoch}")
+        return FreezeDecision(num_frozen, num_frozen, f"guard: freezing stopped at epoch {v.epoch}")
 
     def state_dict(self) -> dict:
         """The guard's memory, for checkpoints."""

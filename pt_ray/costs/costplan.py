@@ -27,6 +27,7 @@ is predicted as A passes of the schedule, then one all-reduce and one optimizer 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from pt_ray.cache.policy import AUTO, CachePolicy
 from pt_ray.costs.costmodel import (
@@ -115,10 +116,11 @@ class CostModelPlanner:
         self.settings = settings
         self.costs = costs.with_recompute() if settings.activation_checkpointing else costs
         self.hw = hw
-        self.options = {"cache": cache, "cache_layout": cache_layout, "runtime": runtime,
-                        "activation_memory_factor": activation_memory_factor,
-                        "max_microbatches_per_stage": max_microbatches_per_stage,
-                        "optimizer_traffic": optimizer_traffic, "accumulate": accumulate}
+        self.options: dict[str, Any] = {
+            "cache": cache, "cache_layout": cache_layout, "runtime": runtime,
+            "activation_memory_factor": activation_memory_factor,
+            "max_microbatches_per_stage": max_microbatches_per_stage,
+            "optimizer_traffic": optimizer_traffic, "accumulate": accumulate}
         self.cache, self.cache_layout = cache, cache_layout
         self.runtime = runtime
         self.max_microbatches_per_stage = max_microbatches_per_stage
@@ -279,6 +281,7 @@ class CostModelPlanner:
                          cache: bool = False) -> int:
         """The predicted-fastest M for K stages (forced M when configured)."""
         plan = self._best(num_frozen, k, cache) or self._best(num_frozen, k, cache, False)
+        assert plan is not None, f"no layout of K = {k} is known to the planner"
         return plan.num_microbatches
 
     def pipeline_length_for(self, num_frozen: int, current: int) -> int:

@@ -107,7 +107,7 @@ def run_schedule(
     orders = _stage_orders(schedule, backward_s, num_microbatches)
     done: dict[tuple[str, int, int], float] = {}
     free = list(ready)
-    start = [None] * k
+    start: list[float | None] = [None] * k
     busy = [0.0] * k
     ptr = [0] * k
     remaining = sum(len(o) for o in orders)

@@ -149,7 +149,7 @@ def replay_epochs(timeline: Sequence[Mapping], costs: Mapping[int, CostTable],
         moved = prev is not None and replace(prev, cache=False) != replace(plan, cache=False)
         out.append(RecordedEpoch(
             plan=plan, steps=num_train // global_batch, step_s=step,
-            transition_s=transition_time(prev, plan, table, hw) if moved else 0.0,
+            transition_s=transition_time(prev, plan, table, hw) if moved and prev else 0.0,
             eval_s=eval_time(plan, table, hw, eval_shards(r)) if eval_shards else 0.0))
         prev = plan
         level = n if plan.cache else None

@@ -282,13 +282,12 @@ def simulate(
                          f"with batch_policy=fixed_global every replica takes an equal share")
     timeline = _freeze_timeline(layers, epochs, frozen, freeze_policy, alpha, max_frozen,
                                 grad_norms)
-    common = dict(batch_size=batch_size, batch_policy=batch_policy, schedule=schedule,
-                  initial_pipeline_length=initial_pipeline_length,
-                  num_microbatches=num_microbatches, memory_budget=memory_budget,
-                  cache_from=cache_from, runtime=runtime,
-                  activation_memory_factor=activation_memory_factor,
-                  optimizer_traffic=optimizer_traffic,
-                  activation_checkpointing=activation_checkpointing)
+    common: dict[str, Any] = dict(
+        batch_size=batch_size, batch_policy=batch_policy, schedule=schedule,
+        initial_pipeline_length=initial_pipeline_length, num_microbatches=num_microbatches,
+        memory_budget=memory_budget, cache_from=cache_from, runtime=runtime,
+        activation_memory_factor=activation_memory_factor, optimizer_traffic=optimizer_traffic,
+        activation_checkpointing=activation_checkpointing)
     names = list(SCENARIOS) if ablations else ["baseline", "all"]
     runs = {}
     for name in names:
@@ -337,7 +336,8 @@ def _freeze_timeline(layers: int, epochs: int, frozen: Sequence[int] | None,
 
 
 def _run(name: str, timeline: Sequence[int], planner, costs: CostTable, hw: HardwareProfile,
-         runtime: Runtime, dataset_size: int, batch_size: int, batch_policy: str,
+         runtime: Runtime, dataset_size: int, batch_size: int,
+         batch_policy: Literal["fixed_global", "per_replica"],
          optimizer_traffic: float) -> RunPrediction:
     freeze, autopipe, autodp, _ = SCENARIOS[name]
     # "freeze only": a pinned planner (pt-ray), or the baseline's plan throughout (2021).
@@ -352,7 +352,7 @@ def _run(name: str, timeline: Sequence[int], planner, costs: CostTable, hw: Hard
         if replans:
             plan = planner.next_plan(plan, n)
         exec_plan = plan if autodp else replace(plan, num_replicas=start.num_replicas)
-        state = "off"
+        state: Literal["off", "miss", "hit"] = "off"
         if exec_plan.cache:
             state = "hit" if level is not None else "miss"
         r = exec_plan.num_replicas
@@ -363,7 +363,8 @@ def _run(name: str, timeline: Sequence[int], planner, costs: CostTable, hw: Hard
         steps = math.ceil(dataset_size / (per_replica * r))
         moved = prev_exec is not None and replace(prev_exec, cache=False, generation=0) != replace(
             exec_plan, cache=False, generation=0)
-        trans = transition_time(prev_exec, exec_plan, costs, hw, runtime=runtime) if moved else 0.0
+        trans = (transition_time(prev_exec, exec_plan, costs, hw, runtime=runtime)
+                 if moved and prev_exec is not None else 0.0)
         if not replans and n != prev_n:  # the 2021 code rebuilds its pipe and DDP to freeze
             trans = hw.group_setup_s + runtime.transition_overhead_s
         out.append(EpochPrediction(
