@@ -190,3 +190,32 @@ def test_two_ranks_with_checkpointing_match_the_reference_through_pipeline_and_d
     ref_timeline = assert_same_parameters([r[:2] for r in results], plain)
     for mine, ref in zip(timeline, ref_timeline):
         assert mine.train_loss == pytest.approx(ref.train_loss, abs=1e-4)
+
+
+@pytest.mark.unit
+def test_a_checkpoint_is_on_disk_before_its_manifest_and_meta_vouch_for_it(tmp_path, monkeypatch):
+    """After a power loss a manifest or ``meta.json`` never names bytes that did not reach the
+    disk: the shard is fsynced before its manifest, and each JSON file is fsynced, renamed into
+    place, and its folder synced."""
+    import os
+
+    from pt_ray.runtime.checkpoint import read_meta, read_shard, write_meta, write_shard
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(
+        ("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: events.append(
+        ("replace", os.path.basename(dst))) or real_replace(src, dst))
+
+    shard = write_shard(tmp_path, 0, {"block.0": {"params": {"w": torch.ones(2)}, "optim": []}})
+    write_meta(tmp_path, {"epoch": 3})
+    assert read_meta(tmp_path)["epoch"] == 3
+    assert torch.equal(read_shard(shard)["block.0"]["params"]["w"], torch.ones(2))
+    folder = tmp_path.name
+    assert [e for e in events if e[0] == "replace" or not e[1].startswith(".")] == [
+        ("fsync", "shard-rank0.safetensors"), ("replace", "shard-rank0.json"),
+        ("fsync", folder), ("replace", "meta.json"), ("fsync", folder)]
+    assert [e[1].split(".")[1] for e in events if e[1].startswith(".")] == ["shard-rank0", "meta"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "meta.json", "shard-rank0.json", "shard-rank0.safetensors"]

@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pt_ray.models.base import ModelAdapter, layer_module, layer_names
+from pt_ray.reporting.files import sync_file, write_text_atomically
 
 __all__ = ["META", "damage", "deal_layers", "latest_checkpoint", "load_layers",
            "load_parameters", "read_meta", "read_rollback", "read_shard", "usable_checkpoint",
@@ -77,7 +78,10 @@ def write_shard(
     # is all a checksum here must do (nothing adversarial writes these files).
     manifest = {"file": path.name, "bytes": path.stat().st_size, "crc32": _crc32(path),
                 "layers": sorted(n for n in layers if not n.startswith("__"))}
-    path.with_suffix(".json").write_text(json.dumps(manifest))
+    # The manifest vouches for the shard, so the shard's bytes reach the disk first, and the
+    # manifest lands whole (synced, then renamed into place) or not at all.
+    sync_file(path)
+    write_text_atomically(path.with_suffix(".json"), json.dumps(manifest))
     return path
 
 
@@ -222,11 +226,10 @@ def latest_checkpoint(folders: list[Path]) -> Path | None:
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> Path:
-    """Write the run-level metadata (rank 0 only)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / META
-    path.write_text(json.dumps(meta))  # the controller's state: tens of KB, read by programs
-    return path
+    """Write the run-level metadata (rank 0 only): synced, then renamed into place, so a crash
+    or a power loss leaves no half-written ``meta.json``."""
+    # The controller's state: tens of KB, read by programs.
+    return write_text_atomically(directory / META, json.dumps(meta))
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
