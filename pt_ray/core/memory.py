@@ -1,5 +1,5 @@
 """The memory model of a pipeline stage: the bytes a stage holds at its peak, as both planners
-(:class:`pt_ray.core.plan.Planner` and :class:`pt_ray.costs.costplan.CostModelPlanner`)
+(:class:`pt_ray.core.plan.PaperPlanner` and :class:`pt_ray.costs.costplan.CostModelPlanner`)
 estimate it, and as a run's records set beside the measured memory.
 
 Pure module. A stage holds

@@ -14,7 +14,8 @@ with step 0 is after the workers' last call of the run, before they return. The 
 - ``checkpoint``: the rank kills itself while writing its checkpoint shard after the epoch,
   half of the file written.
 - ``controller``: the rank kills the controller actor before that step (Ray restarts the actor
-  empty; the worker group restarts from the checkpoint and restores its state).
+  empty, it rebuilds its state from the last checkpoint, and the workers go on without a
+  restart of their group).
 - ``hang``: the rank stops answering before that step (sleeps while its peers wait inside a
   collective) until its process is ended.
 - ``stall``: the rank sleeps ``STALL_S`` seconds before that step, or with step 0 at the start of

@@ -76,7 +76,7 @@ def pipe_score(layout: Layout, dataset: SampleDataset, batches: list[np.ndarray]
 @dataclass(frozen=True)
 class CacheFigures:
     """The activation cache's figures of an epoch, summed over the ranks (zeros without a
-    cache), in the order :func:`pt_ray.runtime.prefix.epoch_counters` gives them.
+    cache), in the order :func:`pt_ray.cache.prefix.epoch_counters` gives them.
 
     Attributes:
         rows: rows the cached prefix was asked for.
