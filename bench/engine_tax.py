@@ -55,15 +55,17 @@ from pt_ray.data.registry import build_dataset  # noqa: E402
 from pt_ray.core.plan import CostTable  # noqa: E402
 from pt_ray.runtime.engine import ElasticWorker, LocalController  # noqa: E402
 from pt_ray.runtime.build import build_model_for  # noqa: E402
+from pt_ray.service.settings import run_settings  # noqa: E402
 
 
 def _engine(cfg, splits):
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, dist.get_world_size(),
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers,
+                                  dist.get_world_size(),
                                   len(splits.train) // cfg.data.batch_size)
     # Fixed costs: the plan is K = 1 whatever they say, and profiling is not what is timed.
     costs = CostTable.from_param_counts(1.0, [1.0] * adapter.num_layers, 1.0)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs)
     worker.start()
     return worker
@@ -76,7 +78,7 @@ class _Peer:
     def __init__(self, cfg, splits) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg
-        adapter = build_model_for(cfg, splits)
+        adapter = build_model_for(cfg.model, cfg.seed, splits)
         self.names = peer_ddp.input_names(adapter)
         self.model = DistributedDataParallel(adapter.model)
         self.per_worker = cfg.data.batch_size // world

@@ -62,6 +62,7 @@ from pt_ray.models.base import iter_layers, layer_names  # noqa: E402
 from pt_ray.runtime.resume import resume_point  # noqa: E402
 from pt_ray.runtime.checkpoint import damage, load_layers  # noqa: E402
 from pt_ray.runtime.reference import build_reference  # noqa: E402
+from pt_ray.service.settings import run_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -280,8 +281,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _reference(out: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every layer's state after the reference trainer's fault-free run."""
-    trainer = build_reference(tiny_config(out / "runs" / "reference", "fault-reference",
-                                           engine="reference"))
+    cfg = tiny_config(out / "runs" / "reference", "fault-reference", engine="reference")
+    trainer = build_reference(run_settings(cfg).reference)
     trainer.fit()
     return {name: {k: v.clone() for k, v in m.state_dict().items()}
             for name, m in iter_layers(trainer.adapter)}

@@ -40,7 +40,7 @@ def flops_per_sample(cfg) -> float:
 
     data = cfg.data.model_copy(update={"num_samples": 8})
     splits = build_dataset(data, seed=cfg.seed)
-    model = build_model_for(cfg, splits).model
+    model = build_model_for(cfg.model, cfg.seed, splits).model
     _, inputs, target = splits.train[0]
     batch = [t.unsqueeze(0).repeat(2, *([1] * t.dim())) for t in inputs]
     with FlopCounterMode(display=False) as counter:

@@ -51,6 +51,7 @@ from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
 from pt_ray.reporting.summary import ideal_speedup
+from pt_ray.service.settings import run_settings
 
 
 @dataclass(frozen=True)
@@ -215,10 +216,11 @@ def run_arm(shape: dict, arm: Arm, device: torch.device, precision: str,
     """Train one engine arm; returns its timeline and timings."""
     cfg = arm_config(shape, arm, precision, device.type == "cuda", data)
     torch.manual_seed(0)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, 1, shape["steps"])
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, 1, shape["steps"])
     comm = Comm(device)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits, device=device, comm=comm,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
+                           device=device, comm=comm,
                            controller=LocalController(control, comm),
                            store=InMemoryStore() if arm.cache else None)
     t0 = time.perf_counter()
@@ -261,7 +263,7 @@ def run_plain(shape: dict, device: torch.device, precision: str, splits: Dataset
 
     cfg = arm_config(shape, Arm("plain"), precision, device.type == "cuda")
     torch.manual_seed(0)
-    model = build_model_for(cfg, splits).model.to(device)
+    model = build_model_for(cfg.model, cfg.seed, splits).model.to(device)
     if compiled:
         model = torch.compile(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -342,7 +344,7 @@ def step_flops(shape: dict, device: torch.device, precision: str) -> float:
     splits = make_splits({**shape, "steps": 1, "batch": 2, "eval": 2}, device)
     cfg = arm_config(shape, Arm("flops"), precision, device.type == "cuda")
     torch.manual_seed(0)
-    model = build_model_for(cfg, splits).model.to(device)
+    model = build_model_for(cfg.model, cfg.seed, splits).model.to(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     inputs = tuple(t[:2] for t in splits.train.inputs)
     with FlopCounterMode(display=False) as counter:

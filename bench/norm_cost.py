@@ -26,6 +26,7 @@ from pt_ray.data.base import gather
 from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
 from pt_ray.runtime.reference import build_reference
 from pt_ray.runtime.clipping import ParamBlocks, clip_grad_norm
+from pt_ray.service.settings import run_settings
 
 
 def main() -> None:
@@ -34,7 +35,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    trainer = build_reference(load_config(default_config_path(), ["engine=reference"]))
+    cfg = load_config(default_config_path(), ["engine=reference"])
+    trainer = build_reference(run_settings(cfg).reference)
     a = trainer.adapter
     batch = gather(trainer.splits.train, list(range(16)))
     params = [p for g in trainer.optimizer.param_groups for p in g["params"]]

@@ -35,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy_matrix import WORKLOADS, prepare_workload  # noqa: E402
+from pt_ray.service.settings import run_settings
 
 __all__ = ["FixedBranches", "best_cell", "summarise"]
 
@@ -113,13 +114,14 @@ def run_seed(overrides: list[str], seed: int, args: argparse.Namespace, out: Pat
     cfg = load_config(default_config_path(), [
         *overrides, *args.set, "freeze.policy=none", f"seed={seed}", "freeze.guard_points=null",
         "freeze.interval=steps"])
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     total = trainer.sampler.steps_per_epoch * cfg.epochs
     cfg = cfg.model_copy(update={"freeze": cfg.freeze.model_copy(
         update={"interval_steps": max(1, math.ceil(args.interval * total))})})
     from pt_ray.control.state import decision_interval
 
-    trainer.interval = decision_interval(cfg, trainer.sampler.steps_per_epoch)
+    trainer.interval = decision_interval(run_settings(cfg).control.decisions,
+                                         trainer.sampler.steps_per_epoch)
     branch = {"k": None, "step": 0}
 
     def run_branch(k: int, step: int) -> None:

@@ -392,7 +392,7 @@ def predict_measured(data: dict[str, Any], args: argparse.Namespace) -> dict[str
     """Profile the measured job's model here, calibrate, and predict every arm of ``data``."""
     cfg, cfg_note = job_config(data)
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     num_train, num_eval = len(splits.train), len(splits.eval)
     traffic = 7.0 if cfg.optimizer.name == "adamw" else 5.0  # costmodel.step_time's doc
     cfgs = {a: arm_config(data, cfg, a) for a in data["runs"]}

@@ -12,7 +12,9 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pt_ray.core.config import ConfigError, RunConfig, build_config, layer_config, load_config
+from pt_ray.core.config import (ConfigError, DataConfig, LoggingConfig, ModelConfig,
+                                PipelineConfig, RunConfig, build_config, layer_config,
+                                load_config)
 from pt_ray.core.datasets import DATASETS
 from pt_ray.reporting.summary import EpochRecord, format_epoch, read_summary, write_summary
 from pt_ray.reporting.files import hold_run_folder, write_text_atomically
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from pt_ray.data.base import DatasetSplits
     from pt_ray.models.base import ModelAdapter
     from pt_ray.runtime.resume import ResumePoint
+    from pt_ray.service.trainer import RayRun
 
 __all__ = ["Result", "check_output_dir", "default_config_path", "fit", "preflight",
            "resolve_config"]
@@ -117,7 +120,7 @@ def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:
     # The builders raise ConfigError for what the user gave them (paths, files, names, model
     # fields); anything else they raise is a bug and keeps its traceback.
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     num_layers = adapter.num_layers
     k = cfg.pipeline.pipeline_length
     if isinstance(k, int) and k > num_layers:
@@ -133,14 +136,15 @@ def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:
     return splits, adapter
 
 
-def _write_extras(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
-    """The report PNG and TensorBoard scalars the config asks for (never fails the run)."""
+def _write_extras(logging_cfg: LoggingConfig, summary: dict[str, Any], run_dir: Path) -> None:
+    """The report PNG and TensorBoard scalars the ``logging`` section asks for (never fails the
+    run)."""
     try:
-        if cfg.logging.report:
+        if logging_cfg.report:
             from pt_ray.reporting.report import render_report
 
             render_report(summary, run_dir / "report.png")
-        if cfg.logging.tensorboard:
+        if logging_cfg.tensorboard:
             from pt_ray.reporting.tensorboard import write_tensorboard
 
             write_tensorboard(summary, run_dir / "tensorboard")
@@ -148,21 +152,22 @@ def _write_extras(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> Non
         logger.warning("run report not written: %s", err)
 
 
-def _export_model(cfg: RunConfig, run_dir: Path, adapter: Any, checkpoint: str | None,
-                  summary: dict[str, Any]) -> None:
+def _export_model(run_dir: Path, adapter: Any, checkpoint: str | None,
+                  summary: dict[str, Any], *, model: ModelConfig, data: DataConfig, seed: int,
+                  name: str) -> None:
     """The trained model in its library's own format into ``run_dir/model`` (from the
-    reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint), with its
-    model card; a failure is logged with the command that retries it, and never fails the
-    finished run."""
+    reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint, rebuilt
+    from the run's ``model``, ``data`` and ``seed``), with its model card; a failure is logged
+    with the command that retries it, and never fails the finished run."""
     from pt_ray.runtime.export import MODEL_DIR, export_adapter, export_checkpoint, write_card
 
     out = run_dir / MODEL_DIR
     try:
         if adapter is not None:
-            export_adapter(adapter, out, f"run {cfg.name!r} in {run_dir}", model=cfg.model,
-                           tokenizer=cfg.data.tokenizer)
+            export_adapter(adapter, out, f"run {name!r} in {run_dir}", model=model,
+                           tokenizer=data.tokenizer)
         elif checkpoint is not None:
-            export_checkpoint(cfg, checkpoint, out)
+            export_checkpoint(checkpoint, out, model=model, data=data, seed=seed, name=name)
         else:
             logger.warning("model not exported: the run left no checkpoint")
             return
@@ -267,17 +272,23 @@ def fit(
     in_memory = train_data is not None or eval_data is not None
     if in_memory:  # data.path is set for real once the splits are written
         overrides = [*overrides, "data.path=."]
-    cfg, run_dir, resumed = _run_folder(config, resume_from, overrides, output_dir)
+    if resume_from is None:
+        cfg = resolve_config(config, overrides)
+        run_dir, resumed = Path(output_dir) if output_dir is not None else cfg.run_dir(), None
+    else:
+        cfg, run_dir, resumed = _resumed(resume_from, overrides,
+                                         config is not None or output_dir is not None)
     check_output_dir(run_dir)
     if in_memory:
-        cfg = _with_data(cfg, run_dir, train_data, eval_data)
-    choice = _early_device_choice(cfg)
+        cfg = resolve_config(cfg, _write_tables(cfg.data, run_dir, train_data, eval_data))
+    choice = _early_device_choice(cfg.engine, cfg.pipeline, cfg.precision)
     built_from = time.perf_counter()
     splits, adapter = preflight(cfg)
     preflight_s = time.perf_counter() - built_from
     from pt_ray.cache.policy import cache_policy
 
-    logger.info(cache_policy(cfg, splits.train.deterministic_transform).describe())
+    det = splits.train.deterministic_transform
+    logger.info(cache_policy(cfg.cache, cfg.freeze, det).describe())
     # One live run per folder: a second one stops here, before it writes anything.
     with hold_run_folder(run_dir):
         from pt_ray.reporting.tracking import open_tracker
@@ -310,22 +321,21 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
            worker_env: dict[str, str] | None, on_epoch: Callable[[EpochRecord], None] | None,
            resumed: ResumePoint | None) -> Result:
     """Steps 4-6 of :func:`fit`, in the run folder it holds: train on the engine the config
-    names, then write ``summary.json``, the extras and the exported model."""
-
-    def start(resolved: RunConfig) -> None:
-        # Written once devices and precision are resolved, before any worker starts.
-        write_text_atomically(run_dir / "config.yaml", resolved.to_yaml())
-
+    names, then write ``summary.json``, the extras and the exported model. ``config.yaml`` is
+    written once devices and precision are resolved, before any worker starts."""
     # The reference run's time counts building its dataset and model, as the Ray workers' does.
     t0 = built_from if cfg.engine == "reference" else time.perf_counter()
     if cfg.engine == "reference":
         assert choice is not None
         run = _train_reference(cfg.model_copy(update=choice.config_update(cfg.pipeline)),
-                               choice.device, splits, adapter, run_dir, start, on_epoch)
+                               choice.device, splits, adapter, run_dir, on_epoch)
     else:
         del splits, adapter  # the workers build their own
-        run = _train_on_ray(cfg, choice, run_dir, worker_env, start, on_epoch, resumed,
-                            preflight_s)
+        from pt_ray.service.trainer import run_on_ray
+
+        ray_run = run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
+                             choice=choice, resume_from=resumed.checkpoint if resumed else None)
+        run = _train_on_ray(ray_run, on_epoch, resumed, preflight_s)
     wall = time.perf_counter() - t0
     cfg, extra, timeline = run.config, run.extra, run.timeline
     summary = write_summary(
@@ -338,35 +348,34 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
         precision=cfg.precision,
         extra=extra,
     )
-    _write_extras(cfg, summary, run_dir)
-    _export_model(cfg, run_dir, run.trained, extra.get("checkpoint"), summary)
+    _write_extras(cfg.logging, summary, run_dir)
+    _export_model(run_dir, run.trained, extra.get("checkpoint"), summary, model=cfg.model,
+                  data=cfg.data, seed=cfg.seed, name=cfg.name)
     return Result(cfg, timeline, run.metric_name, timeline[-1].eval_metric, wall, run_dir,
                   checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
                   restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))
 
 
-def _with_data(cfg: RunConfig, run_dir: Path, train_data: Any, eval_data: Any) -> RunConfig:
-    """Step 1b of :func:`fit`: in-memory splits written into the run folder, and the config
-    pointed at them."""
+def _write_tables(data: DataConfig, run_dir: Path, train_data: Any,
+                  eval_data: Any) -> list[str]:
+    """Step 1b of :func:`fit`: in-memory splits written into the run folder; returns the
+    overrides that point the config (its ``data`` section given) at them."""
     tables = [name for name, entry in DATASETS.items() if entry.table]
-    if cfg.data.name not in tables:
+    if data.name not in tables:
         raise ConfigError(f"train_data and eval_data are tables: set data.name to "
-                          f"{', '.join(tables[:-1])} or {tables[-1]} (it is {cfg.data.name})")
+                          f"{', '.join(tables[:-1])} or {tables[-1]} (it is {data.name})")
     from pt_ray.service.datasets import materialise
 
-    return resolve_config(cfg, materialise(run_dir, train_data, eval_data))
+    return materialise(run_dir, train_data, eval_data)
 
 
-def _run_folder(config: RunConfig | Mapping[str, Any] | str | Path | None,
-                resume_from: str | Path | None, overrides: Iterable[str],
-                output_dir: str | Path | None) -> tuple[RunConfig, Path, ResumePoint | None]:
-    """Step 1 of :func:`fit`: the run's config and folder, a new run's or a resumed one's."""
-    if resume_from is None:
-        cfg = resolve_config(config, overrides)
-        return cfg, Path(output_dir) if output_dir is not None else cfg.run_dir(), None
+def _resumed(resume_from: str | Path, overrides: Iterable[str],
+             with_config: bool) -> tuple[RunConfig, Path, ResumePoint]:
+    """Step 1 of :func:`fit` for a resumed run: its config and folder (``with_config``: fit
+    was given a config or an output folder too, which a resumed run refuses)."""
     from pt_ray.runtime.resume import resume_point
 
-    if config is not None or output_dir is not None:
+    if with_config:
         raise ConfigError("resume_from continues a run with its own config.yaml in its own "
                           "folder: pass neither config nor output_dir with it")
     resumed = resume_point(resume_from, list(overrides))
@@ -376,19 +385,20 @@ def _run_folder(config: RunConfig | Mapping[str, Any] | str | Path | None,
     return cfg, run_dir, resumed
 
 
-def _early_device_choice(cfg: RunConfig) -> DeviceChoice | None:
-    """Step 2 of :func:`fit`: the devices, where they are known before the preflight (the
-    reference engine's, an embedded cluster's); None when a cluster decides once connected.
-    Imported here so that config errors surface before torch, Ray and the model load."""
-    if cfg.engine == "ray":
+def _early_device_choice(engine: str, pipeline: PipelineConfig,
+                         precision: str) -> DeviceChoice | None:
+    """Step 2 of :func:`fit`: the devices (from the run's ``engine``, ``pipeline`` section and
+    ``precision``), where they are known before the preflight (the reference engine's, an
+    embedded cluster's); None when a cluster decides once connected. Imported here so that
+    config errors surface before torch, Ray and the model load."""
+    if engine == "ray":
         from pt_ray.service.trainer import cluster_devices, starts_embedded
 
         # An embedded cluster's GPUs are known now: a missing GPU fails before the preflight.
-        return cluster_devices(cfg) if starts_embedded() else None
+        return cluster_devices(pipeline, engine, precision) if starts_embedded() else None
     from pt_ray.core.devices import choose_devices
 
-    choice = choose_devices(cfg.pipeline, cluster_gpus=0, engine=cfg.engine,
-                            precision=cfg.precision)
+    choice = choose_devices(pipeline, cluster_gpus=0, engine=engine, precision=precision)
     logger.info(choice.describe())
     return choice
 
@@ -406,12 +416,13 @@ class _Trained:
 
 
 def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter: ModelAdapter,
-                     run_dir: Path, start: Callable[[RunConfig], None],
-                     on_epoch: Callable[[EpochRecord], None] | None) -> _Trained:
+                     run_dir: Path, on_epoch: Callable[[EpochRecord], None] | None) -> _Trained:
     """Step 3 of :func:`fit` on the reference engine: train the preflight's dataset and model
-    in this process."""
-    start(cfg)
+    in this process (``cfg``: devices and precision resolved, written as ``config.yaml``
+    first)."""
+    write_text_atomically(run_dir / "config.yaml", cfg.to_yaml())
     from pt_ray.runtime.reference import build_reference
+    from pt_ray.service.settings import run_settings
 
     from pt_ray.reporting.steplog import StepReporter, step_writers
 
@@ -419,7 +430,8 @@ def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter
     writer = step_writers(run_dir, cfg.logging.tensorboard, bool(cfg.logging.mlflow))
     steps = StepReporter(writer=writer) if writer is not None else None
     # The preflight's dataset and model: built once, in the order the trainer builds them.
-    trainer = build_reference(cfg, splits=splits, adapter=adapter, on_step_report=steps)
+    trainer = build_reference(run_settings(cfg).reference, splits=splits, adapter=adapter,
+                              on_step_report=steps)
     metric_name = trainer.adapter.metric_name
 
     def report(rec: EpochRecord) -> None:
@@ -439,20 +451,15 @@ def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter
                     {"engine": cfg.engine, "rollbacks": rollbacks}, trained=trainer.adapter)
 
 
-def _train_on_ray(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path,
-                  worker_env: dict[str, str] | None, start: Callable[[RunConfig], None],
-                  on_epoch: Callable[[EpochRecord], None] | None, resumed: ResumePoint | None,
-                  preflight_s: float) -> _Trained:
-    """Step 3 of :func:`fit` on Ray: the workers train (and log each epoch as it ends);
-    ``on_epoch`` sees the records at the end."""
-    from pt_ray.service.trainer import run_on_ray
-
-    run = run_on_ray(cfg, run_dir, worker_env, on_start=start, choice=choice,
-                     resume_from=resumed.checkpoint if resumed else None)
+def _train_on_ray(run: RayRun, on_epoch: Callable[[EpochRecord], None] | None,
+                  resumed: ResumePoint | None, preflight_s: float) -> _Trained:
+    """Step 3 of :func:`fit` on Ray, once the workers have trained (and logged each epoch as
+    it ended): ``on_epoch`` sees the records at the end."""
     if on_epoch is not None:
         for rec in run.timeline:
             on_epoch(rec)
-    extra: dict[str, Any] = {"engine": cfg.engine}
+    assert run.config is not None  # run_on_ray's runs carry their resolved config
+    extra: dict[str, Any] = {"engine": run.config.engine}
     extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
                  decisions=run.decisions, restarts=run.restarts, cache=run.cache,
                  rollbacks=run.rollbacks, start_trials=run.start_trials,

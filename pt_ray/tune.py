@@ -137,7 +137,8 @@ def sweep(
 
     # One trial must fit: 2 workers x 1 CPU + the trial's sliver is 3 logical CPUs on a 2-core
     # machine (the sliver only waits).
-    started = ensure_ray(base, min_cpus=_need(base.pipeline, base.engine, use_gpu=False)["CPU"])
+    started = ensure_ray(base.pipeline, base.cache,
+                         min_cpus=_need(base.pipeline, base.engine, use_gpu=False)["CPU"])
     try:
         k, why = _size(base.pipeline, len(variants), max_concurrent, engine=base.engine,
                        precision=base.precision)

@@ -84,7 +84,7 @@ def test_the_peers_forward_is_pt_rays_on_the_same_batches(tmp_path, family):
                  "num_classes": NUM_CLASSES}}
     cfg = tiny_config(tmp_path, **extra)
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     adapter.model.eval()
     names = peer_ddp.input_names(adapter)
     inputs, target = next(iter(DataLoader(peer_ddp._Samples(splits.train), batch_size=8)))
@@ -115,7 +115,7 @@ def test_peer_trains_pt_rays_model_and_reports_each_epoch(ray_cluster, tmp_path)
         assert rec["epoch_time_s"] > 0 and rec["transition_time_s"] == 0
         assert rec["num_replicas"] == 2 and rec["num_layers"] == 2
         # An epoch has pt-ray's steps (throughput is their samples / training time).
-        steps = training_sampler(cfg, 511).steps_per_epoch
+        steps = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed, 511).steps_per_epoch
         assert rec["throughput_samples_per_s"] * rec["epoch_time_s"] == pytest.approx(steps * 32)
     # Trains: the loss falls, and the accuracy on class templates plus noise lands well above
     # chance (0.25).
@@ -126,7 +126,8 @@ def test_peer_trains_pt_rays_model_and_reports_each_epoch(ray_cluster, tmp_path)
     # The model is pt-ray's: the checkpoint has the same keys and shapes as the model that
     # build_model_for makes for this config, and the weights moved from that initialisation.
     saved = torch.load(Path(run.checkpoint) / "model.pt", weights_only=True)
-    own = build_model_for(cfg, build_dataset(cfg.data, seed=cfg.seed)).model.state_dict()
+    splits = build_dataset(cfg.data, seed=cfg.seed)
+    own = build_model_for(cfg.model, cfg.seed, splits).model.state_dict()
     assert {k: tuple(v.shape) for k, v in saved.items()} == {
         k: tuple(v.shape) for k, v in own.items()}
     assert sum(v.numel() for v in saved.values()) == sum(v.numel() for v in own.values())
@@ -259,7 +260,7 @@ def test_the_peer_on_pt_rays_order_gets_pt_rays_batches(tmp_path):
 
     cfg = tiny_config(tmp_path, seed=3)
     n, world, per_worker = 511, 2, 16
-    pt_ray_order = training_sampler(cfg, n)
+    pt_ray_order = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed, n)
     loaders = []
     for rank in range(world):
         sampler = peer_ddp.PtRayOrder(cfg, n, rank, world)

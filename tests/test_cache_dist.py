@@ -13,6 +13,7 @@ from pt_ray.core.plan import CostTable
 from pt_ray.cache.store import InMemoryStore
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
+from pt_ray.service.settings import run_settings
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -34,13 +35,14 @@ def config(base, mode, workers=4, **extra):
 
 def train_rank(rank, world, cfg, use_store):
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
     # Forked processes share no memory: each stage-0 rank keeps its own store, so replicas
     # miss what the others wrote (the Ray store test covers sharing).
     store = InMemoryStore() if use_store else None
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=LocalController(control),
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
+                           controller=LocalController(control),
                            costs=CostTable.from_param_counts(1.0, [1.0] * adapter.num_layers, 1.0),
                            store=store)
     losses = []

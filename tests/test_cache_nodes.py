@@ -26,6 +26,7 @@ from pt_ray.cache.prefix import CachedPrefix
 from pt_ray.runtime.reference import build_reference
 from pt_ray.cache.owners import RayStore, cache_name, create_owners, owners_report
 from pt_ray.service.trainer import run_on_ray
+from pt_ray.service.settings import run_settings
 from conftest import SESSION_RAY
 from test_cache_ray import wait_until_dead
 from test_ray_engine import tiny_config
@@ -212,7 +213,7 @@ def test_tiny_job_on_two_nodes_reads_locally_and_ends_on_the_reference(two_nodes
     assert run.cache["stored_objects"] == 2 * 128 // 16
     assert run.cache["stored_bytes"] == 2 * run.cache["bytes"] == 2 * run.timeline[-1].cache_bytes
 
-    reference = build_reference(job(engine="reference"))
+    reference = build_reference(run_settings(job(engine="reference")).reference)
     reference.fit()
     layers, _ = load_layers(run.checkpoint_path, layer_names(4))
     worst = max(float((layers[name]["params"][k] - v).abs().max())

@@ -14,6 +14,7 @@ from pt_ray.costs.costmodel import CacheLayout, cache_read_factor
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.costs.hwprofile import load_hardware
 from pt_ray.costs.simulate import build_planner
+from pt_ray.service.settings import run_settings
 
 pytestmark = pytest.mark.unit
 
@@ -24,23 +25,28 @@ def cfg(**sections):
     return build_config(base)
 
 
+def sections(c):
+    """The sections the cache's policy reads: ``cache`` and ``freeze``."""
+    return c.cache, c.freeze
+
+
 # -- when the cache may turn on -----------------------------------------------------------------
 
 
 def test_cache_policy_modes_and_reasons():
-    on = cache_policy(cfg(cache={"mode": "on"}), deterministic_transform=True)
+    on = cache_policy(*sections(cfg(cache={"mode": "on"})), deterministic_transform=True)
     assert on.mode == "on" and on.describe() == (
         "activation cache on: cache.mode=on: on whenever a block is frozen")
-    assert cache_policy(cfg(cache={"mode": "off"}), True).describe() == (
+    assert cache_policy(*sections(cfg(cache={"mode": "off"})), True).describe() == (
         "activation cache off: cache.mode=off")
-    never = cache_policy(cfg(freeze={"policy": "none"}), True)
+    never = cache_policy(*sections(cfg(freeze={"policy": "none"})), True)
     assert never.mode == "off" and "nothing ever freezes" in never.reason
-    random = cache_policy(cfg(), deterministic_transform=False)
+    random = cache_policy(*sections(cfg()), deterministic_transform=False)
     assert random.mode == "off" and "cache.allow_random_transform=true" in random.reason
-    opted = cache_policy(cfg(cache={"allow_random_transform": True}), False)
+    opted = cache_policy(*sections(cfg(cache={"allow_random_transform": True})), False)
     assert opted.mode == "auto" and "allow_random" in opted.reason
     # The library default leaves the cache to the planner, plan by plan, in the plain order.
-    assert cache_policy(build_config({}), True).describe() == (
+    assert cache_policy(*sections(build_config({})), True).describe() == (
         "activation cache auto: cache.mode=auto: on in the plans where the planner predicts "
         "a gain")
 
@@ -59,7 +65,7 @@ def test_augmented_data_keeps_the_cache_off_and_the_log_says_why(caplog):
     c = cfg(data={"name": "synthetic_image", "num_samples": 64, "augment": True},
             pipeline={"policy": "paper"}, cache={"mode": "on"})
     caplog.set_level("INFO", logger="pt_ray.control.state")
-    state = build_control_state(c, 4, 2, 2, deterministic_transform=False)
+    state = build_control_state(run_settings(c).control, 4, 2, 2, deterministic_transform=False)
     assert "training transform is random" in caplog.text
     for r in range(2):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
@@ -93,7 +99,8 @@ def test_break_even_and_the_paper_planner_threshold():
 def test_paper_policy_modes_reach_the_plans():
     def plans(**cache):
         c = cfg(pipeline={"policy": "paper"}, cache=cache)
-        state = build_control_state(c, 6, 2, 4)  # 4 steps of 64: a cache of 256 rows of 5 MB
+        # 4 steps of 64: a cache of 256 rows of 5 MB
+        state = build_control_state(run_settings(c).control, 6, 2, 4)
         for r in range(2):
             state.submit_costs(r, costs(5e6))
         p0 = state.plan_for(0)
@@ -149,7 +156,7 @@ def test_each_new_plan_logs_why_the_cache_is_on_or_off(caplog):
     caplog.set_level("INFO", logger="pt_ray.control.state")
     c = cfg(freeze={"policy": "schedule", "alpha": 0.5, "warmup_epochs": 1},
             cache={"worker_memo_bytes": 2**30}, pipeline={"start_trial_margin": 0})
-    state = build_control_state(c, 6, 2, 4)
+    state = build_control_state(run_settings(c).control, 6, 2, 4)
     for r in range(2):
         state.submit_costs(r, costs(5e5))
     state.submit_norms(0, {b: 1.0 for b in range(6)})
@@ -200,11 +207,11 @@ def test_rule_planners_fix_the_depth_once_from_the_config_or_the_break_even():
 
 
 def test_the_driver_asks_the_policy_from_the_config_alone():
-    assert may_turn_on(cfg())
-    assert may_turn_on(cfg(data={"augment": True}))  # the dataset may still keep it off
-    assert not may_turn_on(cfg(cache={"mode": "off"}))
-    assert not may_turn_on(cfg(freeze={"policy": "none"}))
-    assert not may_turn_on(cfg(freeze={"max_frozen": 0}))
+    assert may_turn_on(*sections(cfg()))
+    assert may_turn_on(*sections(cfg(data={"augment": True})))  # the dataset may still keep it off
+    assert not may_turn_on(*sections(cfg(cache={"mode": "off"})))
+    assert not may_turn_on(*sections(cfg(freeze={"policy": "none"})))
+    assert not may_turn_on(*sections(cfg(freeze={"max_frozen": 0})))
 
 
 def test_the_simulator_s_rule_planners_ask_the_same_policy():

@@ -24,6 +24,7 @@ from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.reference import build_reference
 from pt_ray.cache.owners import CacheActor, RayStore, store_capacities
 from pt_ray.service.trainer import run_on_ray
+from pt_ray.service.settings import run_settings
 from conftest import SESSION_RAY
 from test_ray_engine import tiny_config
 
@@ -169,7 +170,7 @@ def test_cached_prefix_over_a_dead_cache_still_gives_the_prefix(ray_cluster):
         "data": {"name": "synthetic_image", "num_samples": 32, "image_size": 8},
     })
     splits = build_dataset(cfg.data, seed=0)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     adapter.model.eval()
     name, actor = new_cache()
     prefix = CachedPrefix(adapter, RayStore(name, timeout_s=5), CacheBlocks(32, 8, 0),
@@ -207,7 +208,7 @@ def test_the_memo_is_sized_from_the_stores_the_cluster_reports(ray_cluster):
     store = SESSION_RAY["object_store_memory"]
     assert store_capacities() == [store]
     cfg = build_config({"cache": {"budget_fraction": 1.0}})
-    assert resolve_cache_sizes(cfg, store_capacities()).cache.worker_memo_bytes == store
+    assert resolve_cache_sizes(cfg.cache, store_capacities()).worker_memo_bytes == store
     name, actor = new_cache(budget_fraction=1.0)
     assert ray.get(actor.stats.remote()).budget_bytes == store  # the same rule, node side
     ray.kill(actor)
@@ -233,7 +234,7 @@ def test_tiny_job_with_the_cache_hits_after_the_freeze_and_ends_on_the_reference
     assert run.cache["objects"] == 8 and run.cache["refused_rows"] == 0
     assert "spilled_bytes" in run.cache["object_store"]
 
-    reference = build_reference(job(tmp_path, engine="reference"))
+    reference = build_reference(run_settings(job(tmp_path, engine="reference")).reference)
     reference.fit()
     layers, _ = load_layers(run.checkpoint_path, layer_names(4))
     worst = max(float((layers[name]["params"][k] - v).abs().max())

@@ -53,9 +53,9 @@ def test_tiers_from_the_config():
                       "width": 32, "num_heads": 2, "patch_size": 4},
             "data": {"name": "synthetic_image", "image_size": 8}}
     cpu = torch.device("cpu")
-    assert row_tiers(build_config(base), 100, cpu) == []  # auto: none on CPUs
+    assert row_tiers(build_config(base).cache, 100, cpu) == []  # auto: none on CPUs
     cfg = build_config({**base, "cache": {"device_bytes": 4096, "host_bytes": 8192}})
-    device, host = row_tiers(cfg, 100, cpu)
+    device, host = row_tiers(cfg.cache, 100, cpu)
     assert (device.name, device.capacity_bytes, host.name, host.capacity_bytes) == (
         "device", 4096, "host", 8192)
     assert not host.pinned  # page-locked memory only feeds a CUDA device

@@ -25,6 +25,7 @@ from pt_ray.runtime.build import build_model_for
 from pt_ray.cache.store import InMemoryStore
 from pt_ray.runtime.precision import Precision
 from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, store_figures
+from pt_ray.service.settings import run_settings
 from test_cache import TINY
 
 pytestmark = pytest.mark.unit
@@ -32,12 +33,17 @@ pytestmark = pytest.mark.unit
 MiB, GiB = 2**20, 2**30
 
 
+def sized_config(cfg: RunConfig, store_capacities: list[int]) -> RunConfig:
+    """``cfg`` with its ``cache`` section sized as the driver sizes it."""
+    return cfg.model_copy(update={"cache": resolve_cache_sizes(cfg.cache, store_capacities)})
+
+
 def test_the_memo_is_the_smallest_nodes_store_budget_at_least_the_floor(caplog):
     caplog.set_level(logging.INFO, logger="pt_ray.cache.size")
     cfg = build_config({})
     assert cfg.cache.worker_memo_bytes == "auto" and memo_limit(cfg.cache) is None
     # Half (budget_fraction) of the smaller of two stores: 6 GiB -> 3 GiB, logged once.
-    sized = resolve_cache_sizes(cfg, [8 * GiB, 6 * GiB])
+    sized = sized_config(cfg, [8 * GiB, 6 * GiB])
     assert sized.cache.worker_memo_bytes == memo_limit(sized.cache) == 3 * GiB
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["activation cache: worker memo 3072 MiB (cache.worker_memo_bytes=auto: the "
@@ -46,15 +52,15 @@ def test_the_memo_is_the_smallest_nodes_store_budget_at_least_the_floor(caplog):
     # What the controller and the workers read back from the shipped config is that number.
     assert RunConfig.model_validate(sized.model_dump(mode="json")) == sized
     # A store whose half is under the floor, no size reported, a fixed store budget.
-    assert resolve_cache_sizes(cfg, [300 * MiB]).cache.worker_memo_bytes == MEMO_FLOOR_BYTES
-    assert resolve_cache_sizes(cfg, [0]).cache.worker_memo_bytes == GiB
-    assert resolve_cache_sizes(cfg, []).cache.worker_memo_bytes == GiB
+    assert resolve_cache_sizes(cfg.cache, [300 * MiB]).worker_memo_bytes == MEMO_FLOOR_BYTES
+    assert resolve_cache_sizes(cfg.cache, [0]).worker_memo_bytes == GiB
+    assert resolve_cache_sizes(cfg.cache, []).worker_memo_bytes == GiB
     fixed = build_config({"cache": {"budget_bytes": 5 * GiB}})
-    assert resolve_cache_sizes(fixed, [64 * GiB]).cache.worker_memo_bytes == 5 * GiB
+    assert resolve_cache_sizes(fixed.cache, [64 * GiB]).worker_memo_bytes == 5 * GiB
     # A number the user set stays, and nothing is logged for it.
     caplog.clear()
     mine = build_config({"cache": {"worker_memo_bytes": 123}})
-    assert resolve_cache_sizes(mine, [64 * GiB]) is mine and caplog.records == []
+    assert resolve_cache_sizes(mine.cache, [64 * GiB]) is mine.cache and caplog.records == []
     assert memo_limit(mine.cache) == 123
 
 
@@ -89,7 +95,7 @@ def test_the_issue_run_fits_the_memo_the_planner_predicts_from():
     # from a 6.87 GiB store (Ray's default on a 24 GiB host) holds it all: reads move only
     # their own rows.
     def planner_layout(cfg):
-        state = build_control_state(cfg, 6, 2, 300)
+        state = build_control_state(run_settings(cfg).control, 6, 2, 300)
         for rank in range(2):
             state.submit_costs(rank, minilm_costs())
         return state.planner.cache_layout
@@ -97,7 +103,7 @@ def test_the_issue_run_fits_the_memo_the_planner_predicts_from():
     cfg = build_config({"data": {"batch_size": 32}})
     fixed = planner_layout(build_config({"data": {"batch_size": 32},
                                          "cache": {"worker_memo_bytes": 256 * MiB}}))
-    sized_cfg = resolve_cache_sizes(cfg, [int(6.87 * GiB)])
+    sized_cfg = sized_config(cfg, [int(6.87 * GiB)])
     sized = planner_layout(sized_cfg)
     assert sized.memo_bytes == sized_cfg.cache.worker_memo_bytes == int(6.87 * GiB) // 2
     row = 32 * 384 * 4
@@ -116,14 +122,15 @@ def test_a_cache_sized_from_the_store_serves_every_read_after_its_first_epoch():
     base = {**TINY["bert"], "data": {**TINY["bert"]["data"], "num_samples": 480}}
     cfg = build_config({**base, "cache": {"block_size": 8}})
     splits = build_dataset(cfg.data, seed=0)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     adapter.model.eval()
 
     def epochs(cfg, budget, count=4):
         store = CountingStore(budget)
-        prefix = cached_prefix_for(cfg, adapter, store, len(splits.train), True,
-                                   torch.device("cpu"), None, Precision("fp32"))
-        sampler = training_sampler(cfg, len(splits.train))
+        prefix = cached_prefix_for(cfg.cache, cfg.freeze, cfg.seed, adapter, store,
+                                   len(splits.train), True, torch.device("cpu"), None,
+                                   Precision("fp32"))
+        sampler = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed, len(splits.train))
         rates, reads = [], []
         for epoch in range(count):
             asked = len(store.asked)
@@ -144,7 +151,7 @@ def test_a_cache_sized_from_the_store_serves_every_read_after_its_first_epoch():
     assert min(reads[1:]) > 15                          # most of the 30 steps read the store
 
     node_store = 4 * whole
-    sized = resolve_cache_sizes(cfg, [node_store])
+    sized = sized_config(cfg, [node_store])
     rates, reads, stats = epochs(sized, store_budget(node_store, cfg.cache.budget_fraction))
     assert rates == [0.0, 1.0, 1.0, 1.0] and stats.refused_rows == 0
     assert reads[1] <= 2 and reads[2:] == [0, 0]

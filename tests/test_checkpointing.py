@@ -15,6 +15,7 @@ from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.reference import build_reference
 from pt_ray.runtime.stages import StageModule
+from pt_ray.service.settings import run_settings
 from test_engine_dist import VIT, assert_same_parameters, config, costs_for
 
 DROPOUT = 0.1
@@ -45,7 +46,7 @@ def train_reference(cfg):
     """Per-step losses and final parameters of a reference run (dropout draws from torch's
     global generator, seeded the same for every run)."""
     torch.manual_seed(0)
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     losses = []
     step = trainer.train_step
     trainer.train_step = lambda batch: losses.append(step(batch)) or losses[-1]
@@ -65,7 +66,7 @@ def test_reference_with_checkpointing_trains_exactly_as_without(base):
         assert torch.equal(value, ckpt[1][name]), name
     # Dropout is on (two forwards of one batch differ), so the equality rests on the
     # recompute drawing the same masks as the first forward.
-    trainer = build_reference(reference_config(base, True))
+    trainer = build_reference(run_settings(reference_config(base, True)).reference)
     batch = trainer.splits.train.batch(list(range(16)))
     with torch.no_grad():
         assert float(trainer._loss(batch)) != float(trainer._loss(batch))
@@ -77,7 +78,7 @@ def stage_of_four_blocks(checkpointing, dropout=DROPOUT):
         "data": {**TINY_VIT["data"], "image_size": 16},
     })
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     plan = Plan(generation=0, num_layers=4, num_frozen=0, pipeline_length=1, num_replicas=1,
                 boundaries=(0, 4), num_microbatches=1, activation_checkpointing=checkpointing)
     adapter.model.train()
@@ -148,7 +149,7 @@ def train_rank_counting_forwards(rank, world, cfg):
     """The engine on one rank; also counts, per rank, the forwards with gradients of the last
     block and of the head (the recompute runs the block's forward again in the backward)."""
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     counts = {"block": 0, "head": 0}
 
     def counter(key):
@@ -158,9 +159,9 @@ def train_rank_counting_forwards(rank, world, cfg):
 
     adapter.blocks[-1].register_forward_pre_hook(counter("block"))
     adapter.head.register_forward_pre_hook(counter("head"))
-    control = build_control_state(cfg, adapter.num_layers, world,
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
     states = written_layers(worker)

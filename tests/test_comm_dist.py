@@ -22,6 +22,7 @@ from pt_ray.core.plan import CostTable
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.reference import build_reference
+from pt_ray.service.settings import run_settings
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -57,10 +58,11 @@ def costs_for(num_layers):
 
 def make_worker(cfg, world, **kwargs):
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
-    return ElasticWorker(cfg, adapter=adapter, splits=splits, controller=LocalController(control),
+    return ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
+                         controller=LocalController(control),
                          costs=costs_for(adapter.num_layers), **kwargs)
 
 
@@ -197,7 +199,7 @@ def merged_parameters(results):
 
 
 def reference_parameters(cfg):
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     timeline = trainer.fit()
     return {n: m.state_dict() for n, m in iter_layers(trainer.adapter)}, timeline
 
@@ -229,7 +231,8 @@ def test_bf16_engine_is_as_close_to_exact_as_the_bf16_reference():
     ref_bf16 = flat(ref_bf16_layers)
     ref_fp32 = flat(reference_parameters(config("fp32"))[0])
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    init = flat({n: m.state_dict() for n, m in iter_layers(build_model_for(cfg, splits))})
+    init = flat({n: m.state_dict()
+                 for n, m in iter_layers(build_model_for(cfg.model, cfg.seed, splits))})
     moved = float((ref_fp32 - init).norm())
     engine_error = float((ours - ref_fp32).norm()) / moved
     bf16_error = float((ref_bf16 - ref_fp32).norm()) / moved

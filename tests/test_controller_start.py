@@ -41,7 +41,7 @@ EMBEDDED = textwrap.dedent("""
 
     cfg = build_config({"pipeline": {"num_workers": 2}})
     ray_default = resolve_object_store_memory(estimate_available_memory())
-    assert ensure_ray(cfg)
+    assert ensure_ray(cfg.pipeline, cfg.cache)
     # Prestarted workers are launched as the driver connects, before any actor's process.
     controller = ControllerActor.remote(cfg.model_dump(mode="json"), None)
     ray.get(controller.__ray_ready__.remote(), timeout=90)

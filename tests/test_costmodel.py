@@ -25,6 +25,7 @@ from pt_ray.costs.costplan import CostModelPlanner
 from pt_ray.costs.pipesim import run_schedule, stage_order
 from pt_ray.core.plan import CostTable, LayerCost, PaperPlanner, Plan, PlanSettings
 from pt_ray.core.shapes import layer_shapes, model_shape, saved_activation_factor
+from pt_ray.service.settings import run_settings
 
 pytestmark = pytest.mark.unit
 
@@ -356,7 +357,7 @@ def test_control_state_sizes_plans_for_one_pass():
         cfg = build_config({
             "pipeline": {"num_workers": 2, "pipeline_length": 2, "policy": policy},
             "data": {"batch_size": 32}, "optimizer": {"accumulation_steps": 4}})
-        state = build_control_state(cfg, 4, 2, 10)
+        state = build_control_state(run_settings(cfg).control, 4, 2, 10)
         state.submit_costs(0, uniform(4))
         state.submit_costs(1, uniform(4))
         assert state.planner.settings.accumulation_steps == 4
@@ -437,7 +438,7 @@ def test_checkpointing_reaches_both_planners_from_the_config():
     for policy in ("paper", "cost"):
         cfg = build_config({"pipeline": {"num_workers": 2, "pipeline_length": 2,
                                          "policy": policy, "activation_checkpointing": True}})
-        state = build_control_state(cfg, 4, 2, 10)
+        state = build_control_state(run_settings(cfg).control, 4, 2, 10)
         state.submit_costs(0, uniform(4))
         state.submit_costs(1, uniform(4))
         assert state.planner.costs.recompute

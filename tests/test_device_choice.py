@@ -108,7 +108,8 @@ def test_sweep_reuse_matches_a_recorded_resolution_of_auto():
 
     wanted = cfg(epochs=2).model_dump(mode="json")
     resolved = applied(cfg(epochs=2), choice_for(cfg(epochs=2), 0))
-    recorded = resolve_cache_sizes(resolved, [2**32]).model_dump(mode="json")
+    sized = resolved.model_copy(update={"cache": resolve_cache_sizes(resolved.cache, [2**32])})
+    recorded = sized.model_dump(mode="json")
 
     assert recorded["cache"]["worker_memo_bytes"] == 2**31
     assert _same_config(recorded, wanted)

@@ -15,6 +15,7 @@ from pt_ray.core.plan import CostTable
 from pt_ray.runtime.engine import ElasticWorker, EngineHooks, LocalController
 from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.reference import build_reference
+from pt_ray.service.settings import run_settings
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -49,10 +50,10 @@ def costs_for(num_layers):
 
 def train_rank(rank, world, cfg):
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     steps = len(splits.train) // cfg.data.batch_size
-    control = build_control_state(cfg, adapter.num_layers, world, steps)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world, steps)
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
     states = written_layers(worker)
@@ -64,13 +65,13 @@ def train_rank_counting_passes(rank, world, cfg):
     """``train_rank``, also returning the rows of every training forward of the head (a pass's
     replica share at K = 1, a micro-batch in a pipeline; empty off the last stage)."""
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     rows: list[int] = []
     adapter.head.register_forward_hook(
         lambda module, args, out: rows.append(out.shape[0]) if torch.is_grad_enabled() else None)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
     states = written_layers(worker)
@@ -79,7 +80,7 @@ def train_rank_counting_passes(rank, world, cfg):
 
 
 def reference_layers(cfg):
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     timeline = trainer.fit()
     from pt_ray.models.base import iter_layers
 
@@ -193,11 +194,12 @@ def train_then_checkpoint(rank, world, cfg, directory, epochs):
     from pt_ray.runtime.checkpoint import write_meta
 
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
     controller = LocalController(control)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
+                           controller=controller,
                            costs=costs_for(adapter.num_layers))
     worker.start()
     for epoch in range(epochs):
@@ -219,8 +221,8 @@ def resume_parts(world, cfg, directory):
     from pt_ray.runtime.checkpoint import read_meta
 
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
     meta = read_meta(Path(directory))
     return splits, adapter, control, control.resume(meta["controller"], meta["next_decision"])
@@ -230,7 +232,7 @@ def resume_and_finish(rank, world, cfg, directory):
     from pathlib import Path
 
     splits, adapter, control, plan = resume_parts(world, cfg, directory)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control))
     first = worker.restore(Path(directory), plan)
     timeline = worker.fit(first_epoch=first)
@@ -258,7 +260,7 @@ def resume_fused(rank, world, cfg, directory):
     from pathlib import Path
 
     splits, adapter, control, plan = resume_parts(world, cfg, directory)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control))
     first = worker.restore(Path(directory), plan)
     timeline = worker.fit(first_epoch=first)
@@ -311,10 +313,10 @@ def test_compiled_blocks_equal_eager_across_freeze_transitions():
 def train_rank_prefetching(rank, world, cfg):
     """``train_rank``, also returning how many reads the background loader served."""
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
     states = written_layers(worker)
@@ -350,12 +352,12 @@ def test_background_loader_serves_every_read_in_order_and_matches_reference(tmp_
 def guarded_rank(rank, world, cfg, metrics):
     """``train_rank`` with the eval metric scripted per epoch (the accuracy guard's input)."""
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
     # Each rank counts its share: the counts summed over the ranks give the scripted metric.
     scripted = EngineHooks(on_eval=lambda epoch, _: metrics[epoch] * len(splits.eval) / world)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers),
                            hooks=scripted)
     timeline = worker.fit()
@@ -431,10 +433,10 @@ def train_rank_with_trials(rank, world, cfg):
     """``train_rank`` on profiled costs, with the RNG state around the start and what the
     controller measured of the first layouts."""
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control))
     rehearse, same = worker.stepper.rehearse, []
 
@@ -499,13 +501,14 @@ def _recording(policy, seen):
 
 def train_rank_probing(rank, world, cfg):
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     # Steps as the sampler counts them: the probe split is never drawn.
-    steps = training_sampler(cfg, len(splits.train)).steps_per_epoch
-    control = build_control_state(cfg, adapter.num_layers, world, steps)
+    steps = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed,
+                             len(splits.train)).steps_per_epoch
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world, steps)
     seen = []
     _recording(control.policy, seen)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     timeline = worker.fit()
     states = written_layers(worker)
@@ -523,7 +526,7 @@ def test_probe_decisions_inside_epochs_match_the_reference():
     results = run_ranks(train_rank_probing, 2, cfg)
     seen = results[0][2]
     assert results[1][2] == seen  # every rank's controller saw the same figures
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     ref_seen = []
     _recording(trainer.policy, ref_seen)
     ref_timeline = trainer.fit()

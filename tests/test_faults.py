@@ -15,6 +15,7 @@ from pt_ray.runtime.faults import FAULT_ENV, FaultSwitch, fault_hooks
 from pt_ray.models.base import iter_layers
 from pt_ray.runtime.checkpoint import damage
 from pt_ray.runtime.reference import build_reference
+from pt_ray.service.settings import run_settings
 from test_ray_engine import max_difference, reference_layers, tiny_config
 
 
@@ -139,7 +140,7 @@ def test_a_restart_between_a_freeze_and_the_guards_verdict_still_rolls_the_freez
                                                                   (3, 2)]
     capped = tiny_config(tmp_path / "ref", engine="reference",
                          **{**extra, "freeze": {**freeze, "max_frozen": 2, "rollback": False}})
-    trainer = build_reference(capped)
+    trainer = build_reference(run_settings(capped).reference)
     trainer.fit()
     reference = {name: m.state_dict() for name, m in iter_layers(trainer.adapter)}
     assert max_difference(result.checkpoint, reference) <= 1e-4

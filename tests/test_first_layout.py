@@ -12,6 +12,7 @@ from pt_ray.core.plan import CostTable, LayerCost, Plan, PlanSettings
 from pt_ray.costs.costmodel import step_time
 from pt_ray.costs.costplan import CostModelPlanner, close_first_layouts
 from pt_ray.runtime.profile import _with_fixed_parts
+from pt_ray.service.settings import run_settings
 from test_costmodel import IDEAL  # only compute costs: free, instant links, no overheads
 
 pytestmark = pytest.mark.unit
@@ -93,7 +94,7 @@ def _state(margin: float):
     cfg = build_config({"freeze": {"policy": "schedule", "alpha": 0.5},
                         "pipeline": {"start_trial_margin": margin, "hardware": "local-cpu"},
                         "data": {"batch_size": 32}})
-    return build_control_state(cfg, 4, 2, 10)
+    return build_control_state(run_settings(cfg).control, 4, 2, 10)
 
 
 def test_the_controller_starts_on_the_layout_the_workers_measured_fastest():

@@ -24,6 +24,7 @@ from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.build import build_model_for
 from pt_ray.runtime.reference import build_reference
+from pt_ray.service.settings import run_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -83,11 +84,12 @@ def on_device(splits: DatasetSplits, device: torch.device) -> DatasetSplits:
 
 def run_engine(cfg, device, store=None):
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, 1,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, 1,
                                   len(splits.train) // cfg.data.batch_size)
     comm = Comm(device)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=on_device(splits, device),
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter,
+                           splits=on_device(splits, device),
                            controller=LocalController(control, comm), device=device,
                            store=store, comm=comm)
     frozen_at: dict[str, torch.Tensor] = {}
@@ -131,7 +133,7 @@ def test_fp32_on_gpu_computes_what_the_cpu_reference_computes(cuda):
     torch.backends.cudnn.allow_tf32 = False
     cfg = build_config({**VIT, "precision": "fp32"})
     _, adapter, _ = run_engine(cfg, cuda)
-    ref = build_reference(cfg)
+    ref = build_reference(run_settings(cfg).reference)
     init = torch.cat([p.detach().flatten().clone() for p in ref.adapter.model.parameters()])
     ref.fit()
     ours = torch.cat([p.detach().flatten().cpu() for p in adapter.model.parameters()])
@@ -167,7 +169,7 @@ def test_profiling_brings_one_layer_at_a_time_to_the_gpu(cuda):
 
     cfg = build_config(VIT)
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)  # on the host, as every rank builds it
+    adapter = build_model_for(cfg.model, cfg.seed, splits)  # on the host, as every rank builds it
     layers = dict(iter_layers(adapter))
     seen: list[tuple[str, list[str]]] = []
 

@@ -6,6 +6,7 @@ from pt_ray.core.config import build_config
 from pt_ray.control.state import build_control_state
 from pt_ray.costs.hwprofile import profile_for_gpu
 from pt_ray.core.plan import CostTable, LayerCost
+from pt_ray.service.settings import run_settings
 
 pytestmark = pytest.mark.unit
 
@@ -53,10 +54,10 @@ def test_unknown_gpu_gets_the_conservative_default_and_its_own_memory():
 def test_controller_plans_with_a_detected_profile_unless_the_user_named_one():
     hw = profile_for_gpu("NVIDIA H200", 141 * 10**9, count_on_node=2)
 
-    state = build_control_state(build_config({}), num_layers=4, num_workers=2,
+    state = build_control_state(run_settings(build_config({})).control, num_layers=4, num_workers=2,
                                 steps_per_epoch=4, hardware=hw)
-    named = build_control_state(build_config({"pipeline": {"hardware": "local-cpu"}}), 4, 2, 4,
-                                hardware=hw)
+    local = build_config({"pipeline": {"hardware": "local-cpu"}})
+    named = build_control_state(run_settings(local).control, 4, 2, 4, hardware=hw)
 
     costs = _flat_costs(4)
     assert state.make_planner(costs).hw is hw

@@ -15,6 +15,7 @@ from pt_ray.core.plan import CostTable
 from pt_ray.runtime import reference
 from pt_ray.runtime.reference import build_reference
 from pt_ray.reporting.summary import EpochRecord
+from pt_ray.service.settings import run_settings
 from test_reference import vit_config
 
 pytestmark = pytest.mark.unit
@@ -31,7 +32,7 @@ def _control(rollback: bool, workers: int = 2):
     cfg = load_config(None, ["model.depth=4", "freeze.policy=schedule", "freeze.alpha=0.5",
                              "freeze.warmup_epochs=1", f"freeze.rollback={str(rollback).lower()}",
                              "epochs=6", "pipeline.start_trial_margin=0"])
-    state = build_control_state(cfg, 4, workers, 4)
+    state = build_control_state(run_settings(cfg).control, 4, workers, 4)
     for r in range(workers):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
     return state
@@ -141,7 +142,7 @@ class Scripted:
 def _run(monkeypatch, at: dict[int, int], metrics: dict[int, float], **freeze):
     cfg = vit_config(epochs=5, freeze=dict(guard_points=1.0, **freeze),
                      model=dict(dropout=0.1))
-    trainer = build_reference(cfg, policy=Scripted(at))
+    trainer = build_reference(run_settings(cfg).reference, policy=Scripted(at))
     monkeypatch.setattr(reference, "evaluate", lambda *a, **k: metrics[trainer._epoch])
     return trainer, trainer.fit()
 
@@ -199,5 +200,5 @@ def test_rollback_config_rules_name_the_fix():
 ])
 def test_decision_interval(overrides, interval, per_epoch):
     cfg = load_config(None, overrides)
-    assert decision_interval(cfg, 113) == interval
-    assert decisions_per_epoch(cfg, 113) == per_epoch
+    assert decision_interval(run_settings(cfg).control.decisions, 113) == interval
+    assert decisions_per_epoch(run_settings(cfg).control.decisions, 113) == per_epoch

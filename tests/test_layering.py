@@ -1,7 +1,8 @@
 """The layering: each folder of ``pt_ray`` imports only the folders below it (a table, checked
 module by module, so no two folders import each other), the pure folders never import torch or
-Ray, the torch runtime never imports Ray, and the entry points load torch and Ray only inside
-the functions that need them."""
+Ray, the torch runtime never imports Ray, the entry points load torch and Ray only inside
+the functions that need them, and only the entry and the service floor take the whole
+``RunConfig``."""
 
 import ast
 from pathlib import Path
@@ -310,3 +311,64 @@ def test_what_a_run_starts_imports_only_what_it_needs(module, banned, loaded):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == repr(sorted(loaded))
+
+
+# The whole user-facing config stops at the entry (api.py, tune.py, the command line) and the
+# service floor: below it each part takes the config sections it reads, or a small frozen
+# settings dataclass that pt_ray.service.settings.run_settings builds once per run.
+RUN_CONFIG_FLOORS = ("api.py", "tune.py", "cli/", "service/")
+MAX_RUN_CONFIG_PARAMETERS = 10
+
+
+def run_config_parameters(root: Path = PKG) -> list[str]:
+    """``path:line function(parameter)`` for every parameter annotated with ``RunConfig`` (alone,
+    in a union, or inside a ``Callable``) under ``root``; ``ray.train``'s ``TrainRunConfig`` is
+    another class."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+                if arg is None or arg.annotation is None:
+                    continue
+                names = {n.id for n in ast.walk(arg.annotation) if isinstance(n, ast.Name)}
+                names |= {n.attr for n in ast.walk(arg.annotation) if isinstance(n, ast.Attribute)}
+                if "RunConfig" in names or "RunConfig" in _string_names(arg.annotation):
+                    found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} "
+                                 f"{node.name}({arg.arg})")
+    return found
+
+
+def _string_names(annotation: ast.expr) -> set[str]:
+    """Names inside string annotations (``"RunConfig | None"``)."""
+    names = set()
+    for n in ast.walk(annotation):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            try:
+                inner = ast.parse(n.value, mode="eval")
+            except SyntaxError:
+                continue
+            names |= {m.id for m in ast.walk(inner) if isinstance(m, ast.Name)}
+    return names
+
+
+@pytest.mark.unit
+def test_only_the_entry_and_the_service_take_the_whole_config():
+    found = run_config_parameters()
+    below = [f for f in found if not f.startswith(RUN_CONFIG_FLOORS)]
+    assert below == [], "below the service floor, take the sections or a settings dataclass"
+    assert len(found) <= MAX_RUN_CONFIG_PARAMETERS, "\n".join(found)
+
+
+@pytest.mark.unit
+def test_the_config_parameter_count_sees_every_form(tmp_path):
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "m.py").write_text(
+        "def a(cfg: RunConfig): ...\n"
+        "def b(x: int, *, c: 'RunConfig | None' = None): ...\n"
+        "def c(f: Callable[[config.RunConfig], None]): ...\n"
+        "def d(t: TrainRunConfig, cfg: FreezeConfig, untyped): ...\n")
+    assert run_config_parameters(tmp_path) == [
+        "runtime/m.py:1 a(cfg)", "runtime/m.py:2 b(c)", "runtime/m.py:3 c(f)"]

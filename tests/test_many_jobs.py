@@ -15,13 +15,14 @@ from pt_ray.runtime.reference import build_reference
 from pt_ray.cache.owners import cache_name
 from pt_ray.service.controller import controller_name
 from pt_ray.models.base import iter_layers
+from pt_ray.service.settings import run_settings
 from test_ray_engine import max_difference, tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
 def reference(cfg) -> dict:
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     trainer.fit()
     return {name: {k: v.clone() for k, v in m.state_dict().items()}
             for name, m in iter_layers(trainer.adapter)}

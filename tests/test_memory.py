@@ -25,6 +25,7 @@ from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.memory import SavedActivations
 from pt_ray.runtime.build import build_model_for
 from pt_ray.reporting.summary import EpochRecord, RankMemory
+from pt_ray.service.settings import run_settings
 
 F32 = 4
 
@@ -180,12 +181,12 @@ VIT = {
 
 def train_and_record(rank, world, cfg):
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
     # Equal costs: K 4 -> 2 -> 1 as 0 -> 2 -> 3 blocks freeze.
     costs = CostTable.from_param_counts(1.0, [1.0] * adapter.num_layers, 1.0)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs)
     plans = []
     worker.fit(on_epoch=lambda rec: plans.append(worker.plan))

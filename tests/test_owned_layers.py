@@ -20,6 +20,7 @@ from pt_ray.runtime.checkpoint import load_layers, write_shard
 from pt_ray.runtime.engine import ElasticWorker, LocalController
 from pt_ray.runtime.owned import has_storage, is_held, materialise, release
 from pt_ray.runtime.build import build_model_for
+from pt_ray.service.settings import run_settings
 from test_engine_dist import (VIT, assert_same_parameters, config, costs_for, resume_parts,
                               train_then_checkpoint)
 
@@ -50,12 +51,12 @@ def holdings(worker: ElasticWorker) -> dict:
 
 def train_and_watch(rank, world, cfg):
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     # Sizes from the whole build, before any layer is released.
     sizes = {n: _bytes(m.parameters()) for n, m in iter_layers(adapter)}
-    control = build_control_state(cfg, adapter.num_layers, world,
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs_for(adapter.num_layers))
     seen = []
     worker.fit(on_epoch=lambda rec: seen.append({**holdings(worker), "record": rec}))
@@ -134,7 +135,7 @@ def resume_from_own_shards(rank, world, cfg, directory):
             manifest.with_suffix(".safetensors").unlink()
             manifest.unlink()
     with shards_opened() as opened:
-        worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+        worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                                controller=LocalController(control))
         first = worker.restore(copy, plan)
     held = sorted(n for n, m in worker.modules.items() if is_held(m))
@@ -166,7 +167,7 @@ def test_restore_reads_only_the_shards_of_its_own_layers(tmp_path):
 def test_release_and_materialise_keep_shared_parameters_one_tensor():
     cfg = config(VIT, "1f1b", 1)
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     pos = adapter.model.pos_embed  # registered in the model and in the adapter's embedding
     before = pos.detach().clone()
     images = splits.train.inputs[0][:4]

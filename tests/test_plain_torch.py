@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_utils import run_ranks
+from pt_ray.service.settings import run_settings
 
 # -- clipping --------------------------------------------------------------------------------
 
@@ -220,11 +221,11 @@ def _engine_rank(rank, world, cfg):
     from pt_ray.runtime.engine import ElasticWorker, LocalController
 
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     steps = len(splits.train) // cfg.data.batch_size
-    control = build_control_state(cfg, adapter.num_layers, world, steps)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world, steps)
     costs = CostTable.from_param_counts(1.0, [1.0] * adapter.num_layers, 1.0)
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control), costs=costs)
     timeline = worker.fit()
     worker.close()
@@ -242,7 +243,7 @@ def _inputs(cfg):
     from pt_ray.runtime.build import build_model_for
 
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    model = build_model_for(cfg, splits).model
+    model = build_model_for(cfg.model, cfg.seed, splits).model
     train = splits.train
     n = len(train)
     xs = torch.stack([train[i][1][0] for i in range(n)])

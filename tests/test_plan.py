@@ -11,6 +11,7 @@ from pt_ray.core.plan import (
     feed_line,
     replica_batch,
 )
+from pt_ray.service.settings import run_settings
 
 pytestmark = pytest.mark.unit
 
@@ -179,7 +180,7 @@ def test_pinned_run_caps_freezing_at_l_minus_k(policy, caplog):
     cfg = tiny_config(6, {"policy": "schedule", "alpha": 0.9, "warmup_epochs": 0},
                       {"policy": policy, "elastic": False})
     caplog.set_level("INFO", logger="pt_ray.control.state")
-    state = build_control_state(cfg, 6, 2, 4)
+    state = build_control_state(run_settings(cfg).control, 6, 2, 4)
     assert "at most 4 of 6 blocks will freeze" in caplog.text
     for r in range(2):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 6, 1.0))
@@ -231,7 +232,7 @@ def _feed_state(min_device_batch, hardware):
 
     cfg = tiny_config(4, {"policy": "none"}, {"policy": "paper", "pipeline_length": 1,
                                               "min_device_batch": min_device_batch})
-    state = build_control_state(cfg, 4, 2, 4, hardware=hardware)
+    state = build_control_state(run_settings(cfg).control, 4, 2, 4, hardware=hardware)
     for r in range(2):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
     return state

@@ -16,6 +16,7 @@ from pt_ray.core.freeze import (
 )
 from pt_ray.core.plan import CostTable
 from pt_ray.data.sampler import probe_indices, training_sampler
+from pt_ray.service.settings import run_settings
 
 pytestmark = pytest.mark.unit
 
@@ -91,33 +92,36 @@ def cfg(**freeze):
 
 def test_the_probe_split_is_fixed_by_the_seed_and_never_drawn():
     c = cfg(probe_samples=50)
-    held = probe_indices(c, 1000)
-    assert len(held) == 50 and np.array_equal(held, probe_indices(c, 1000))
-    sampler = training_sampler(c, 1000)
+    held = probe_indices(c.freeze, c.seed, 1000)
+    assert len(held) == 50 and np.array_equal(held, probe_indices(c.freeze, c.seed, 1000))
+    sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, 1000)
     assert sampler.num_samples == 950 and sampler.steps_per_epoch == 950 // 8
     for epoch in range(3):
         order = sampler.epoch_order(epoch)
         assert len(order) == 950 and not np.intersect1d(order, held).size
         assert np.array_equal(np.sort(order), np.setdiff1d(np.arange(1000), held))
-    assert len(probe_indices(c, 200)) == 20  # at most a tenth of the split
+    assert len(probe_indices(c.freeze, c.seed, 200)) == 20  # at most a tenth of the split
     other = build_config({"freeze": {"policy": "settled"}})
-    assert len(probe_indices(other, 1000)) == 0
-    assert training_sampler(other, 1000).num_samples == 1000
+    assert len(probe_indices(other.freeze, other.seed, 1000)) == 0
+    sampler = training_sampler(other.freeze, other.data.batch_size, other.seed, 1000)
+    assert sampler.num_samples == 1000
 
 
 def test_probe_decides_16_times_a_run_of_any_length():
-    assert decision_interval(cfg(), 100) is None  # 20 epochs: one decision opens each
+    # 20 epochs: one decision opens each
+    assert decision_interval(run_settings(cfg()).control.decisions, 100) is None
     short = build_config({"freeze": {"policy": "probe"}, "epochs": 4})
-    assert decision_interval(short, 100) == 25  # 4 a epoch
+    assert decision_interval(run_settings(short).control.decisions, 100) == 25  # 4 a epoch
     long_settled = build_config({"freeze": {"policy": "settled"}, "epochs": 10})
     long_probe = build_config({"freeze": {"policy": "probe"}, "epochs": 10})
-    assert decision_interval(long_settled, 100) is None
-    assert decision_interval(long_probe, 100) == 50  # ceil(16 / 10) = 2 a epoch
+    assert decision_interval(run_settings(long_settled).control.decisions, 100) is None
+    # ceil(16 / 10) = 2 a epoch
+    assert decision_interval(run_settings(long_probe).control.decisions, 100) == 50
 
 
 def test_the_controller_carries_each_test_in_the_plan_of_its_interval():
     c = cfg(warmup_epochs=1, alpha=0.5)
-    state = build_control_state(c, 4, 2, 10)
+    state = build_control_state(run_settings(c).control, 4, 2, 10)
     for r in range(2):
         state.submit_costs(r, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
     assert state.plan_for(0).probe_blocks == 2  # the warm-up is one decision

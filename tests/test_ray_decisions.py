@@ -12,6 +12,7 @@ from pt_ray.api import fit
 from pt_ray.models.base import iter_layers
 from pt_ray.runtime.faults import FAULT_ENV
 from pt_ray.runtime.reference import build_reference
+from pt_ray.service.settings import run_settings
 from test_ray_engine import max_difference, tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -70,7 +71,7 @@ def test_a_freeze_inside_an_epoch_is_judged_by_the_guard_and_rolled_back_to_its_
     # 3. From the start of epoch 1 on, the run is the one that never froze block 2.
     capped = tiny_config(tmp_path / "ref", engine="reference",
                          freeze={**FREEZE, "max_frozen": 2, "rollback": False})
-    trainer = build_reference(capped)
+    trainer = build_reference(run_settings(capped).reference)
     expected = trainer.fit()
     assert [(r.epoch, r.num_frozen, r.mean_frozen) for r in expected] == [
         (r.epoch, r.num_frozen, r.mean_frozen) for r in result.timeline]

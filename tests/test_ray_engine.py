@@ -19,6 +19,7 @@ from pt_ray.runtime.faults import FAULT_ENV
 from pt_ray.models.base import iter_layers, layer_names
 from pt_ray.runtime.checkpoint import load_layers, read_meta
 from pt_ray.runtime.reference import build_reference
+from pt_ray.service.settings import run_settings
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -45,7 +46,7 @@ def tiny_config(tmp_path, **extra):
 def reference_layers(tmp_path_factory) -> dict:
     """Every layer's state after the reference trainer's run of :func:`tiny_config`."""
     cfg = tiny_config(tmp_path_factory.mktemp("ref"), engine="reference")
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     trainer.fit()
     return {name: {k: v.clone() for k, v in m.state_dict().items()}
             for name, m in iter_layers(trainer.adapter)}
@@ -157,7 +158,7 @@ def test_rollback_on_ray_train_equals_a_run_that_never_froze_that_block(ray_clus
     assert [(r.epoch, r.num_frozen) for r in result.timeline] == [(0, 0), (1, 2), (2, 2)]
     capped = tiny_config(tmp_path / "ref", engine="reference",
                          freeze={**freeze, "max_frozen": 2, "rollback": False})
-    trainer = build_reference(capped)
+    trainer = build_reference(run_settings(capped).reference)
     trainer.fit()
     reference = {name: m.state_dict() for name, m in iter_layers(trainer.adapter)}
     assert max_difference(result.checkpoint, reference) <= 1e-4

@@ -15,6 +15,7 @@ from pt_ray.core.freeze import LOSS_KEY
 from pt_ray.data import DatasetSplits, GlobalSampler, TensorSampleDataset, synthetic_image
 from pt_ray.models import build_adapter, frozen_layer_names, layer_module
 from pt_ray.runtime.reference import build_reference, evaluate
+from pt_ray.service.settings import run_settings
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +68,7 @@ def _active_layer_names(num_frozen: int) -> list[str]:
 
 
 def test_schedule_freezing_keeps_frozen_layers_fixed_and_active_state_intact():
-    trainer = build_reference(vit_config())
+    trainer = build_reference(run_settings(vit_config()).reference)
     a, opt = trainer.adapter, trainer.optimizer
     transitions: list[tuple[int, int]] = []
     frozen_snapshots: dict[str, dict[str, torch.Tensor]] = {}
@@ -129,7 +130,7 @@ def test_schedule_freezing_keeps_frozen_layers_fixed_and_active_state_intact():
 def test_frozen_prefix_runs_in_eval_mode_without_grad_in_every_epoch():
     # With dropout the mode matters; epoch 3 has no transition, so the modes must survive the
     # previous epoch's evaluation (which switches the whole model to eval and back).
-    trainer = build_reference(vit_config(model=dict(dropout=0.2)))
+    trainer = build_reference(run_settings(vit_config(model=dict(dropout=0.2))).reference)
     seen: list[tuple[int, bool, bool]] = []  # (block, dropout.training, grad enabled)
     current_epoch = [0]
     per_epoch: dict[int, list[tuple[int, bool, bool]]] = {}
@@ -177,7 +178,7 @@ def test_frozen_prefix_runs_in_eval_mode_without_grad_in_every_epoch():
 
 def test_learning_rate_follows_global_progress_across_epochs_and_freezes():
     cfg = vit_config(epochs=3, optimizer=dict(warmup_fraction=0.25, min_lr_ratio=0.0))
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     lrs: list[list[float]] = []
     original_step = trainer.optimizer.step
 
@@ -262,7 +263,7 @@ def test_no_freeze_epoch_equals_a_plain_pytorch_loop():
         epochs=1, freeze=dict(policy="none"),
         optimizer=dict(lr=2e-3, warmup_fraction=0.25, weight_decay=0.05, grad_clip=0.5),
     )
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     splits = trainer.splits
     trainer.fit()
 
@@ -333,7 +334,7 @@ def test_accumulation_in_four_chunks_equals_the_whole_batch_across_a_freeze():
     for steps in (1, 4):
         cfg = vit_config(epochs=2, model=dict(dropout=0.0),
                          optimizer=dict(grad_clip=2.0, accumulation_steps=steps))
-        trainer = build_reference(cfg)
+        trainer = build_reference(run_settings(cfg).reference)
         sizes: list[int] = []
         trainer.adapter.head.register_forward_hook(
             lambda module, args, out, sizes=sizes:
@@ -351,7 +352,8 @@ def test_accumulation_in_four_chunks_equals_the_whole_batch_across_a_freeze():
     for name, p in four.adapter.model.named_parameters():
         assert torch.allclose(p, theirs[name], rtol=0, atol=1e-5), name
     # The parameters did train, so agreement is not trivial.
-    initial = build_reference(vit_config(epochs=2)).adapter.model.state_dict()
+    initial = build_reference(
+        run_settings(vit_config(epochs=2)).reference).adapter.model.state_dict()
     assert any(not torch.allclose(p, initial[n], atol=1e-3)
                for n, p in four.adapter.model.named_parameters())
 
@@ -379,7 +381,7 @@ def test_step_interval_decisions_freeze_mid_epoch_at_the_right_steps(
             warmup_epochs=warmup_epochs,
         ),
     )
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     assert trainer.sampler.steps_per_epoch == 8
     calls: list[tuple[int, int, tuple[int, ...]]] = []  # (decision, global step, norm blocks)
     original_decide = trainer.policy.decide
@@ -432,7 +434,7 @@ def test_tiny_bert_trains_with_finite_decreasing_loss():
         optimizer=dict(lr=3e-3, warmup_fraction=0.1),
         epochs=3,
     ))
-    trainer = build_reference(cfg)
+    trainer = build_reference(run_settings(cfg).reference)
     first = trainer.train_epoch(0)
     assert math.isfinite(first.train_loss) and 0.0 <= first.eval_metric <= 1.0
     rest = [trainer.train_epoch(e) for e in (1, 2)]
@@ -458,9 +460,9 @@ def test_eval_every_scores_every_kth_epoch_and_the_last(monkeypatch):
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(reference, "evaluate", counted)
-    every = build_reference(vit_config(eval_every=3, epochs=4)).fit()
+    every = build_reference(run_settings(vit_config(eval_every=3, epochs=4)).reference).fit()
     evaluations = len(calls)
-    always = build_reference(vit_config(epochs=4)).fit()
+    always = build_reference(run_settings(vit_config(epochs=4)).reference).fit()
     scored = [not math.isnan(r.eval_metric) for r in every]
     assert scored == [False, False, True, True]
     # An epoch that is not scored does not evaluate at all (not just report NaN): two passes

@@ -36,6 +36,7 @@ from pt_ray.data import (
 from pt_ray.data.synthetic import TEXT_INPUTS
 from pt_ray.data.transforms import ImageTransform
 from pt_ray.data.vision import ImageArrayDataset
+from pt_ray.service.settings import run_settings
 
 pytestmark = pytest.mark.unit
 
@@ -99,8 +100,9 @@ def test_an_unknown_policy_names_the_registered_ones():
     ("none", (None, None, None)),
 ])
 def test_the_auto_interval_follows_each_policys_traits(name, intervals):
-    got = tuple(decision_interval(load_config(None, [f"freeze.policy={name}", f"epochs={e}"]),
-                                  100) for e in (4, 10, 20))
+    got = tuple(decision_interval(
+        run_settings(load_config(None, [f"freeze.policy={name}", f"epochs={e}"])).control.decisions,
+        100) for e in (4, 10, 20))
     assert got == intervals
     assert policy_traits(name).per_epoch == (intervals == (None, None, None))
 
@@ -108,7 +110,8 @@ def test_the_auto_interval_follows_each_policys_traits(name, intervals):
 def test_a_policy_that_never_freezes_is_not_capped_by_a_pinned_pipeline():
     for name in POLICIES:
         cfg = load_config(None, [f"freeze.policy={name}", "freeze.max_frozen=5"])
-        policy = policy_for(cfg, num_layers=6, steps_per_epoch=10, pinned_length=2)
+        policy = policy_for(run_settings(cfg).control.decisions, num_layers=6, steps_per_epoch=10,
+                            pinned_length=2)
         assert policy.max_frozen == (4 if policy_traits(name).freezes else 5), name
 
 

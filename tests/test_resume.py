@@ -25,6 +25,7 @@ from pt_ray.runtime.resume import resume_point
 from pt_ray.runtime.checkpoint import damage, deal_layers, latest_checkpoint, load_layers, \
     read_meta, read_shard, usable_checkpoint, write_meta, write_shard
 from pt_ray.runtime.reference import build_reference
+from pt_ray.service.settings import run_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from procs import kill_session  # noqa: E402
@@ -100,7 +101,8 @@ def test_driver_killed_after_an_epoch_resumes_on_one_worker_and_ends_as_never_st
                                        "after_epoch": point.next_epoch}
 
     # A run never stopped: the reference trainer, the engine's numerical oracle.
-    reference = build_reference(resumable_config(tmp_path / "ref", engine="reference"))
+    ref_cfg = resumable_config(tmp_path / "ref", engine="reference")
+    reference = build_reference(run_settings(ref_cfg).reference)
     timeline = reference.fit()
     layers, _ = load_layers(result.checkpoint, layer_names(4))
     difference = max(

@@ -13,6 +13,7 @@ import pytest
 
 from pt_ray.core.config import build_config
 from pt_ray.reporting.steplog import STEP_TAGS, StepRecord, StepReporter, StepWindow, StepWriter
+from pt_ray.service.settings import run_settings
 from test_report import read_scalars
 
 
@@ -102,7 +103,7 @@ def test_reference_steps_report_the_epoch_figures_step_by_step(tmp_path):
 
     cfg = tiny_config(tmp_path, every_steps=1)
     records = []
-    timeline = build_reference(cfg, on_step_report=records.append).fit()
+    timeline = build_reference(run_settings(cfg).reference, on_step_report=records.append).fit()
     assert [r.global_step for r in records] == list(range(1, 13))
     assert [(r.epoch, r.epoch_step, r.epoch_steps) for r in records[5:7]] == [(0, 6, 6),
                                                                               (1, 1, 6)]
@@ -116,13 +117,15 @@ def test_reference_steps_report_the_epoch_figures_step_by_step(tmp_path):
     assert all(r.window_steps == 1 and r.samples_per_s > 0 for r in records)
 
     every2 = []
-    build_reference(tiny_config(tmp_path, every_steps=2), on_step_report=every2.append).fit()
+    build_reference(run_settings(tiny_config(tmp_path, every_steps=2)).reference,
+                    on_step_report=every2.append).fit()
     assert [r.global_step for r in every2] == [2, 4, 6, 8, 10, 12]
     assert [r.train_loss for r in every2] == [r.train_loss for r in records[1::2]]
     assert {r.window_steps for r in every2} == {2}
 
     none = []
-    build_reference(tiny_config(tmp_path, every_steps=0), on_step_report=none.append).fit()
+    build_reference(run_settings(tiny_config(tmp_path, every_steps=0)).reference,
+                    on_step_report=none.append).fit()
     assert none == []
 
 
@@ -164,12 +167,12 @@ def report_rank(rank, world, cfg):
     from pt_ray.runtime.build import build_model_for
 
     splits = build_dataset(cfg.data, seed=cfg.seed)
-    adapter = build_model_for(cfg, splits)
-    control = build_control_state(cfg, adapter.num_layers, world,
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    control = build_control_state(run_settings(cfg).control, adapter.num_layers, world,
                                   len(splits.train) // cfg.data.batch_size)
     records = []
     # Equal costs: K 2 while nothing is frozen, then K 1 x R 2 once a block is.
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits,
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
                            controller=LocalController(control),
                            costs=CostTable.from_param_counts(1.0, [1.0] * 2, 1.0),
                            hooks=EngineHooks(on_step_report=records.append))
@@ -192,7 +195,7 @@ def test_engine_ranks_report_the_same_steps_with_the_reference_losses(tmp_path):
     assert records == records_1
     assert [(r.pipeline_length, r.num_replicas) for r in timeline] == [(2, 1), (1, 2)]
     expected = []
-    build_reference(cfg, on_step_report=expected.append).fit()
+    build_reference(run_settings(cfg).reference, on_step_report=expected.append).fit()
     assert [r.global_step for r in records] == list(range(1, 13))
     assert [r.train_loss for r in records] == pytest.approx(
         [r.train_loss for r in expected], rel=1e-5)

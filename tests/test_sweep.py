@@ -199,9 +199,13 @@ def test_baseline_reads_the_alpha_trials_batches_with_the_cache_on():
     assert variants[-1].overrides == ("freeze.policy=none",)
     alpha, base = (build_config(configs[n]) for n in ("alpha-0.5", "baseline"))
     assert (alpha.cache.mode, base.freeze.policy) == ("on", "none")
+
+    def order(c):
+        return training_sampler(c.freeze, c.data.batch_size, c.seed, 64)
+
     for epoch in range(3):
-        assert (training_sampler(alpha, 64).epoch_order(epoch).tolist()
-                == training_sampler(base, 64).epoch_order(epoch).tolist())
+        assert (order(alpha).epoch_order(epoch).tolist()
+                == order(base).epoch_order(epoch).tolist())
 
 
 # -- concurrency ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from pt_ray.service.settings import run_settings
 
 
 @pytest.mark.unit
@@ -66,11 +67,11 @@ def test_worker_step_reports_reach_ray_train_on_every_rank_and_tensorboard_from_
     cfg = step_config(tmp_path)
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
     reported: dict[int, list[dict]] = {0: [], 1: []}
-    reporters = {rank: _step_reporter(cfg, rank, str(tmp_path), reported[rank].append)
+    reporters = {rank: _step_reporter(cfg.logging, rank, str(tmp_path), reported[rank].append)
                  for rank in (0, 1)}
     assert reporters[0].min_gap_s == 3.0  # 1.5 of Ray Train's poll interval
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-    assert _step_reporter(cfg, 0, None, print).min_gap_s == 1.0  # at least 1 s
+    assert _step_reporter(cfg.logging, 0, None, print).min_gap_s == 1.0  # at least 1 s
     # One epoch of 200 steps of 0.1 s, a record every 5 steps (0.5 s): every rank sees the
     # same records (rank 0's window time) and so makes the same calls.
     for s in range(5, 201, 5):
@@ -111,7 +112,7 @@ def test_ray_run_reports_steps_while_it_runs_and_prints_pt_ray_lines_only(tmp_pa
     from test_report import read_scalars
 
     expected = []
-    build_reference(step_config(tmp_path / "ref", engine="reference"),
+    build_reference(run_settings(step_config(tmp_path / "ref", engine="reference")).reference,
                      on_step_report=expected.append).fit()
     assert [r.global_step for r in expected] == [5, 10, 15, 20]
     capfd.readouterr()

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import CacheConfig, FreezeConfig
 from pt_ray.core.freeze import policy_traits
 
 __all__ = ["AUTO", "CachePolicy", "cache_policy", "may_turn_on"]
@@ -125,7 +125,8 @@ AUTO = CachePolicy("auto", "cache.mode=auto: on in the plans where the planner p
 """The default: ``cache.mode=auto`` under a planner that predicts, from any frozen depth."""
 
 
-def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
+def cache_policy(cache: CacheConfig, freeze: FreezeConfig,
+                 deterministic_transform: bool) -> CachePolicy:
     """Whether the cache may turn on in this run.
 
     The cache is only valid when the frozen prefix sees the same input every epoch: with a random
@@ -134,10 +135,11 @@ def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
     ``cache.mode=auto`` leaves the choice to the planner, plan by plan, from the profiled costs.
 
     Args:
-        cfg: the run configuration.
+        cache: the run's ``cache`` section.
+        freeze: the run's ``freeze`` section (whether anything ever freezes).
         deterministic_transform: the training split's ``deterministic_transform``.
     """
-    c, f = cfg.cache, cfg.freeze
+    c, f = cache, freeze
     if c.mode == "off":
         return CachePolicy("off", "cache.mode=off")
     if not policy_traits(f.policy).freezes or f.max_frozen == 0:
@@ -154,10 +156,10 @@ def cache_policy(cfg: RunConfig, deterministic_transform: bool) -> CachePolicy:
     return CachePolicy(c.mode, reason, min_frozen=c.min_frozen)
 
 
-def may_turn_on(cfg: RunConfig) -> bool:
+def may_turn_on(cache: CacheConfig, freeze: FreezeConfig) -> bool:
     """The config-only answer, for the driver before any dataset is loaded: False when the
     config alone rules the cache out (``cache.mode=off``, nothing ever freezes); True when
     some dataset could turn it on (:func:`cache_policy` with a deterministic transform). The
     driver sizes the cache and starts its owners only then; the dataset's transform and the
     planner's predictions may still keep it off."""
-    return cache_policy(cfg, deterministic_transform=True).mode != "off"
+    return cache_policy(cache, freeze, deterministic_transform=True).mode != "off"

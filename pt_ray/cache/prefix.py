@@ -32,7 +32,7 @@ from pt_ray.cache.policy import cache_policy
 from pt_ray.cache.rows import RowTable, row_tiers
 from pt_ray.cache.size import memo_limit
 from pt_ray.cache.store import ActivationStore, Segment, from_numpy, to_numpy
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import CacheConfig, FreezeConfig
 from pt_ray.core.plan import CostTable
 from pt_ray.data.sampler import CacheBlocks
 from pt_ray.models.base import ModelAdapter, State
@@ -426,18 +426,19 @@ def store_rows(store: ActivationStore, blocks: CacheBlocks, n: int, ids: np.ndar
                     [d for _, d in arrays])
 
 
-def cached_prefix_for(cfg: RunConfig, adapter: ModelAdapter, store: ActivationStore | None,
-                      num_samples: int, deterministic: bool, device: torch.device,
-                      costs: CostTable | None,
+def cached_prefix_for(cache: CacheConfig, freeze: FreezeConfig, seed: int,
+                      adapter: ModelAdapter, store: ActivationStore | None, num_samples: int,
+                      deterministic: bool, device: torch.device, costs: CostTable | None,
                       precision: PrefixPrecision) -> CachedPrefix | None:
-    """Stage 0's cached prefix for a run, with the tiers its config asks for on ``device``;
-    None without a store or when the cache is off (:func:`cache_policy`)."""
-    if store is None or cache_policy(cfg, deterministic).mode == "off":
+    """Stage 0's cached prefix for a run, with the tiers its ``cache`` section asks for on
+    ``device`` and its blocks drawn from ``seed``; None without a store or when the cache is
+    off (:func:`cache_policy`, which reads ``freeze`` too)."""
+    if store is None or cache_policy(cache, freeze, deterministic).mode == "off":
         return None
-    blocks = CacheBlocks(num_samples, cfg.cache.block_size, cfg.seed)
+    blocks = CacheBlocks(num_samples, cache.block_size, seed)
     return CachedPrefix(adapter, store, blocks, device, costs,
-                        memo_bytes=memo_limit(cfg.cache), precision=precision,
-                        tiers=row_tiers(cfg, num_samples, device))
+                        memo_bytes=memo_limit(cache), precision=precision,
+                        tiers=row_tiers(cache, num_samples, device))
 
 
 def epoch_counters(prefix: CachedPrefix | None) -> list[float]:

@@ -24,7 +24,7 @@ import logging
 import numpy as np
 import torch
 
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import CacheConfig
 from pt_ray.models.base import State
 
 __all__ = ["RowTable", "row_tiers"]
@@ -159,12 +159,12 @@ class RowTable:
         return turn, tuple(s[:rows] for s in self._staging[turn])
 
 
-def row_tiers(cfg: RunConfig, num_samples: int, device: torch.device) -> list[RowTable]:
+def row_tiers(cache: CacheConfig, num_samples: int, device: torch.device) -> list[RowTable]:
     """The tiers ``cache.device_bytes`` and ``cache.host_bytes`` ask for on ``device``, device
     first (``auto``: both on CUDA, none on the CPU, where the store's rows already are in host
     memory)."""
     cuda = device.type == "cuda"
-    device_bytes, host_bytes = cfg.cache.device_bytes, cfg.cache.host_bytes
+    device_bytes, host_bytes = cache.device_bytes, cache.host_bytes
     tiers = []
     if device_bytes == "auto" and cuda or isinstance(device_bytes, int) and device_bytes > 0:
         tiers.append(RowTable(num_samples, None if device_bytes == "auto" else device_bytes,

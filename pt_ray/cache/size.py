@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from pt_ray.core.config import CacheConfig, RunConfig
+from pt_ray.core.config import CacheConfig
 
 __all__ = [
     "MEMO_FLOOR_BYTES",
@@ -61,18 +61,18 @@ def store_budget(capacity_bytes: int, budget_fraction: float,
     return budget_bytes or int(budget_fraction * capacity_bytes) or UNKNOWN_STORE_BUDGET_BYTES
 
 
-def resolve_cache_sizes(cfg: RunConfig, store_capacities: Sequence[int]) -> RunConfig:
-    """``cfg`` with ``cache.worker_memo_bytes=auto`` replaced by its figure (the module's rule,
-    step 2), logged in one line; a number the user set stays.
+def resolve_cache_sizes(cache: CacheConfig, store_capacities: Sequence[int]) -> CacheConfig:
+    """The ``cache`` section with ``worker_memo_bytes=auto`` replaced by its figure (the
+    module's rule, step 2), logged in one line; a number the user set stays.
 
     Args:
-        cfg: the run configuration.
+        cache: the run's ``cache`` section.
         store_capacities: the object store of each node that may run a stage 0, in bytes (0
             where Ray does not report it).
     """
-    c = cfg.cache
+    c = cache
     if c.worker_memo_bytes != "auto":
-        return cfg
+        return c
 
     def budget(capacity: int) -> int:
         return store_budget(capacity, c.budget_fraction, c.budget_bytes)
@@ -90,7 +90,7 @@ def resolve_cache_sizes(cfg: RunConfig, store_capacities: Sequence[int]) -> RunC
     logger.info("activation cache: worker memo %.0f MiB (cache.worker_memo_bytes=auto: the "
                 "store budget, %s; at least %.0f MiB)", memo / 2**20, source,
                 MEMO_FLOOR_BYTES / 2**20)
-    return cfg.model_copy(update={"cache": c.model_copy(update={"worker_memo_bytes": memo})})
+    return c.model_copy(update={"worker_memo_bytes": memo})
 
 
 def memo_limit(cache: CacheConfig) -> int | None:

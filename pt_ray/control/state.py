@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from statistics import median
-from typing import Any
+from typing import Any, Literal
 
 from pt_ray.cache.policy import cache_policy
 from pt_ray.cache.size import memo_limit
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import CacheConfig, FreezeConfig, PipelineConfig
 from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
 from pt_ray.core.freeze import (FreezeGuard, FreezePolicy, FreezeSettings, GuardVerdict,
@@ -39,7 +39,9 @@ from pt_ray.control.trials import FirstLayoutTrials
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
+    "ControlSettings",
     "ControlState",
+    "DecisionSettings",
     "build_control_state",
     "decision_interval",
     "decisions_per_epoch",
@@ -399,7 +401,44 @@ class ControlState:
         self.kept = state.get("kept")
 
 
-def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
+@dataclass(frozen=True)
+class DecisionSettings:
+    """When freeze decisions come and how the policy is built (:func:`decision_interval`,
+    :func:`policy_for`).
+
+    Attributes:
+        freeze: the ``freeze`` section.
+        epochs: epochs of the run.
+        warmup_epochs: ``freeze.warmup_epochs`` resolved (``auto``: a tenth of the epochs).
+    """
+
+    freeze: FreezeConfig
+    epochs: int
+    warmup_epochs: float
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """What the controller's state is built from (:func:`build_control_state`).
+
+    Attributes:
+        decisions: when decisions come, and the freeze policy's settings.
+        cache: the ``cache`` section (its policy and the planner's cache layout).
+        pipeline: the ``pipeline`` section (the planner's start, schedule and budget).
+        batch_size: B, ``data.batch_size``.
+        batch_policy: ``fixed_global`` (B over the R replicas) or ``per_replica`` (B each).
+        accumulation_steps: A, ``optimizer.accumulation_steps``.
+    """
+
+    decisions: DecisionSettings
+    cache: CacheConfig
+    pipeline: PipelineConfig
+    batch_size: int
+    batch_policy: Literal["fixed_global", "per_replica"]
+    accumulation_steps: int
+
+
+def decision_interval(settings: DecisionSettings, steps_per_epoch: int) -> int | None:
     """Steps between the decisions inside an epoch, or None when only epochs start them.
 
     ``freeze.interval=steps`` gives ``interval_steps``; ``auto`` decides per epoch in runs of at
@@ -413,16 +452,16 @@ def decision_interval(cfg: RunConfig, steps_per_epoch: int) -> int | None:
     per epoch for them. Each policy's :attr:`pt_ray.core.freeze.PolicyTraits.auto_interval`
     says which it gets. An interval as long as the epoch is per epoch.
     """
-    f = cfg.freeze
+    f, epochs = settings.freeze, settings.epochs
     auto = policy_class(f.policy).traits.auto_interval
     if f.interval == "epoch" or (f.interval == "auto" and auto == "epoch"):
         return None
     if f.interval == "steps":
         k = f.interval_steps
-    elif cfg.epochs >= AUTO_MIN_EPOCHS and auto == "short_runs":
+    elif epochs >= AUTO_MIN_EPOCHS and auto == "short_runs":
         return None
     else:
-        per_epoch = -(-AUTO_DECISIONS // cfg.epochs)
+        per_epoch = -(-AUTO_DECISIONS // epochs)
         k = -(-steps_per_epoch // per_epoch)
     return k if k < steps_per_epoch else None
 
@@ -434,20 +473,20 @@ AUTO_MIN_EPOCHS = 8
 """``freeze.interval=auto`` decides per epoch in runs of at least this many epochs."""
 
 
-def decisions_per_epoch(cfg: RunConfig, steps_per_epoch: int) -> int:
+def decisions_per_epoch(settings: DecisionSettings, steps_per_epoch: int) -> int:
     """Decisions each epoch opens or holds (the last interval may be shorter)."""
-    k = decision_interval(cfg, steps_per_epoch)
+    k = decision_interval(settings, steps_per_epoch)
     return 1 if k is None else -(-steps_per_epoch // k)
 
 
-def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
+def policy_for(settings: DecisionSettings, num_layers: int, steps_per_epoch: int,
                pinned_length: int | None = None) -> FreezePolicy:
     """The run's freeze policy. The warm-up is given in epochs (``auto``: a tenth of the run)
     and converted to decisions (``ceil(warmup_epochs * decisions per epoch)``). With the
     pipeline pinned at K stages (``pipeline.elastic=false``) at most L - K blocks freeze."""
-    f = cfg.freeze
-    per_epoch = decisions_per_epoch(cfg, steps_per_epoch)
-    warmup = math.ceil(cfg.warmup_epochs * per_epoch - 1e-9)
+    f = settings.freeze
+    per_epoch = decisions_per_epoch(settings, steps_per_epoch)
+    warmup = math.ceil(settings.warmup_epochs * per_epoch - 1e-9)
     max_frozen = f.max_frozen
     policy = policy_class(f.policy)
     if pinned_length is not None and policy.traits.freezes:
@@ -459,7 +498,7 @@ def policy_for(cfg: RunConfig, num_layers: int, steps_per_epoch: int,
                         "default" if max_frozen is None else max_frozen, cap)
             max_frozen = cap
     return policy.build(FreezeSettings.from_config(
-        f, num_layers=num_layers, warmup=warmup, decisions=per_epoch * cfg.epochs,
+        f, num_layers=num_layers, warmup=warmup, decisions=per_epoch * settings.epochs,
         max_frozen=max_frozen))
 
 
@@ -470,17 +509,17 @@ matrix units waiting on kernel launches for a Transformer block of BERT-base or 
 
 
 def build_control_state(
-    cfg: RunConfig,
+    settings: ControlSettings,
     num_layers: int,
     num_workers: int,
     steps_per_epoch: int,
     hardware: str | HardwareProfile = "local-cpu",
     deterministic_transform: bool = True,
 ) -> ControlState:
-    """The controller's state for a run: its freeze policy and planner from the config.
+    """The controller's state for a run: its freeze policy and planner from its settings.
 
     Args:
-        cfg: the run configuration.
+        settings: what the run's config says about decisions, the cache and the pipeline.
         num_layers: L, from the built model.
         num_workers: N, the workers actually running (may differ from the config after an
             elastic restart).
@@ -490,17 +529,18 @@ def build_control_state(
         deterministic_transform: whether the training split's transform is deterministic
             (the activation cache is only valid then, unless the user opts in).
     """
-    cache = cache_policy(cfg, deterministic_transform)
+    s, d = settings, settings.decisions
+    cache = cache_policy(s.cache, d.freeze, deterministic_transform)
     logger.info("activation cache %s: %s", "off" if cache.mode == "off" else "allowed",
                 cache.reason)
-    p = cfg.pipeline
+    p = s.pipeline
     k0 = start_pipeline_length(p.pipeline_length, num_layers, num_workers)
-    policy = policy_for(cfg, num_layers, steps_per_epoch,
+    policy = policy_for(d, num_layers, steps_per_epoch,
                         pinned_length=None if p.elastic else k0)
     forced_m = p.num_microbatches if isinstance(p.num_microbatches, int) else None
     # The samples an epoch trains on: the cache's rows, to within a batch.
-    layout = CacheLayout(steps_per_epoch * cfg.data.batch_size, cfg.cache.block_size,
-                         memo_limit(cfg.cache))
+    layout = CacheLayout(steps_per_epoch * s.batch_size, s.cache.block_size,
+                         memo_limit(s.cache))
     budget = p.memory_budget_bytes if isinstance(p.memory_budget_bytes, int) else None
     if p.hardware != "auto":
         hardware = p.hardware
@@ -509,30 +549,30 @@ def build_control_state(
     # pipeline_length=auto: the cost planner starts at the K it predicts fastest among those
     # whose stages fit a device (a model that fits one device need not start as a pipeline).
     choose_start = p.pipeline_length == "auto" and p.elastic and p.policy != "paper"
-    settings = PlanSettings(
-        batch_size=cfg.data.batch_size, batch_policy=cfg.batch_policy, schedule=p.schedule,
+    plan_settings = PlanSettings(
+        batch_size=s.batch_size, batch_policy=s.batch_policy, schedule=p.schedule,
         initial_pipeline_length=None if choose_start else k0, num_microbatches=forced_m,
         memory_budget=budget, elastic=p.elastic,
-        accumulation_steps=cfg.optimizer.accumulation_steps,
+        accumulation_steps=s.accumulation_steps,
         activation_checkpointing=p.activation_checkpointing)
 
     def make_planner(costs: CostTable) -> Planner:
         if p.policy == "paper":
             # A read's rows: a replica's share of a pass with every worker a replica, the most
             # a read can be amplified.
-            rows = settings.replica_batch(num_workers)
+            rows = plan_settings.replica_batch(num_workers)
             rule = cache.for_rules(
                 lambda: cache_break_even(costs, hw, layout=layout, samples=rows))
-            return PaperPlanner(num_workers, costs, settings, cache=rule)
+            return PaperPlanner(num_workers, costs, plan_settings, cache=rule)
         # By default (as the paper) a stage may hold what the largest stage held at the start.
-        planner = CostModelPlanner(num_workers, costs, hw, settings, cache=cache,
+        planner = CostModelPlanner(num_workers, costs, hw, plan_settings, cache=cache,
                                    cache_layout=layout, budget_from_start=budget is None)
         planner.start_on(planner.initial_plan())  # until trials choose another start
         return planner
 
-    label = "epoch" if decision_interval(cfg, steps_per_epoch) is None else "decision"
-    guard = FreezeGuard(cfg.freeze.guard_points if policy_traits(cfg.freeze.policy).freezes
-                        else None, cfg.freeze.rollback)
+    label = "epoch" if decision_interval(d, steps_per_epoch) is None else "decision"
+    guard = FreezeGuard(d.freeze.guard_points if policy_traits(d.freeze.policy).freezes
+                        else None, d.freeze.rollback)
     gpu_workers = not (isinstance(hardware, str) and hardware == "local-cpu")
     floor = p.min_device_batch if p.min_device_batch != "auto" else (
         GPU_BUSY_BATCH if gpu_workers else 0)

@@ -807,10 +807,9 @@ def _lookup(data: Any, path: list[str]) -> Any:
     return data
 
 
-def build_config(data: Mapping[str, Any] | RunConfig | None = None) -> RunConfig:
-    """Validate a config dict (or pass a ``RunConfig`` through), raising :class:`ConfigError`."""
-    if isinstance(data, RunConfig):
-        return data
+def build_config(data: Mapping[str, Any] | None = None) -> RunConfig:
+    """Validate a config dict, raising :class:`ConfigError` (a ``RunConfig`` is already
+    valid: :func:`pt_ray.api.resolve_config` passes one through)."""
     data = dict(data or {})
     _check_keys(data, RunConfig)
     try:

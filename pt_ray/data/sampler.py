@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import FreezeConfig
 from pt_ray.core.freeze import policy_traits
 
 __all__ = [
@@ -252,26 +252,30 @@ class GlobalSampler:
         )
 
 
-def training_sampler(cfg: RunConfig, num_samples: int) -> GlobalSampler:
-    """The run's global sampler over a training split of ``num_samples`` (the reference trainer
-    and every rank build the same one, cache on or off), the probe split left out."""
-    return GlobalSampler(num_samples, cfg.data.batch_size, cfg.seed,
-                         held_out=probe_indices(cfg, num_samples))
+def training_sampler(freeze: FreezeConfig, batch_size: int, seed: int,
+                     num_samples: int) -> GlobalSampler:
+    """The run's global sampler over a training split of ``num_samples``, in batches of
+    ``batch_size`` (B), drawn from the run's ``seed`` (the reference trainer and every rank
+    build the same one, cache on or off), the probe split of the ``freeze`` section's policy
+    left out (:func:`probe_indices`)."""
+    return GlobalSampler(num_samples, batch_size, seed,
+                         held_out=probe_indices(freeze, seed, num_samples))
 
 
 PROBE_MAX_FRACTION = 0.1
 """The probe split takes at most this share of the training split."""
 
 
-def probe_indices(cfg: RunConfig, num_samples: int) -> np.ndarray:
+def probe_indices(freeze: FreezeConfig, seed: int, num_samples: int) -> np.ndarray:
     """The training samples held out as the probe under ``freeze.policy=probe``: the first
     ``min(freeze.probe_samples, num_samples / 10)`` of a permutation drawn from the seed alone
     (every epoch, rank and engine holds out the same ones), sorted; empty under policies
     without a probe split (:attr:`pt_ray.core.freeze.PolicyTraits.probe_split`)."""
-    if not policy_traits(cfg.freeze.policy).probe_split:
+    f = freeze
+    if not policy_traits(f.policy).probe_split:
         return np.zeros(0, dtype=np.int64)
-    count = min(cfg.freeze.probe_samples, int(num_samples * PROBE_MAX_FRACTION))
-    draw = np.random.default_rng([cfg.seed, 2**20]).permutation(num_samples)[:count]
+    count = min(f.probe_samples, int(num_samples * PROBE_MAX_FRACTION))
+    draw = np.random.default_rng([seed, 2**20]).permutation(num_samples)[:count]
     return np.sort(draw).astype(np.int64)
 
 

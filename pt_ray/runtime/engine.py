@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pt_ray.core.config import RunConfig
+from pt_ray.control.state import decision_interval
 from pt_ray.core.plan import CostTable, Plan
 from pt_ray.data.base import DatasetSplits, set_epoch
 from pt_ray.data.sampler import probe_indices, training_sampler
@@ -58,7 +58,7 @@ from pt_ray.runtime.records import (
     epoch_record,
 )
 from pt_ray.runtime.rankstate import RankState
-from pt_ray.runtime.settings import engine_settings
+from pt_ray.runtime.settings import EngineSettings
 from pt_ray.runtime.step import StepLoss, Stepper
 
 __all__ = ["Controller", "ElasticWorker", "EngineHooks", "LocalController"]
@@ -104,7 +104,8 @@ class ElasticWorker:
     """One rank of a pt-ray run.
 
     Args:
-        cfg: the run configuration (read here, once: each part gets its own settings).
+        settings: what the rank is told about the run
+            (:func:`pt_ray.service.settings.run_settings` reads them from the config).
         adapter: the model, built whole on the host from the same seed on every rank; from
             the first plan on the rank keeps only its stage's layers, on ``device``.
         splits: the datasets (every rank reads the samples it needs by index).
@@ -122,7 +123,7 @@ class ElasticWorker:
     (:mod:`pt_ray.runtime.settings`), never the whole config.
     """
 
-    def __init__(self, cfg: RunConfig, *, adapter: ModelAdapter, splits: DatasetSplits,
+    def __init__(self, settings: EngineSettings, *, adapter: ModelAdapter, splits: DatasetSplits,
                  controller: Controller, device: torch.device | None = None,
                  costs: CostTable | None = None, store: ActivationStore | None = None,
                  comm: Comm | None = None, hooks: EngineHooks | None = None) -> None:
@@ -134,20 +135,24 @@ class ElasticWorker:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.comm = comm or Comm(self.device)
-        self.precision = resolve_precision(cfg.precision, self.device)
+        self.precision = resolve_precision(settings.precision, self.device)
         self.scaler = LossScaler() if self.precision.scaled else None
         self.fixed_costs = costs
-        self.sampler = training_sampler(cfg, len(splits.train))
-        self.settings = settings = engine_settings(cfg, self.sampler.steps_per_epoch)
+        freeze = settings.decisions.freeze
+        self.sampler = training_sampler(freeze, settings.batch_size, settings.seed,
+                                        len(splits.train))
+        self.settings = settings
+        steps = self.sampler.steps_per_epoch
         self.norms = GradNormMeter()
         loss = StepLoss(adapter, self.scaler)
         deterministic = splits.train.deterministic_transform
-        self.prefix = cached_prefix_for(cfg, adapter, store, len(splits.train), deterministic,
-                                        self.device, costs, self.precision)
+        self.prefix = cached_prefix_for(settings.cache, freeze, settings.seed, adapter, store,
+                                        len(splits.train), deterministic, self.device, costs,
+                                        self.precision)
         self.layout = Layout(settings.layout, adapter, splits, self.comm, self.device,
                              self.precision, loss, cache=self.prefix is not None)
-        self.stepper = Stepper(settings.step, self.layout, self.prefix, loss, splits, self.comm,
-                               self.norms)
+        self.stepper = Stepper(settings.step_settings(steps), self.layout, self.prefix, loss,
+                               splits, self.comm, self.norms)
         self.modules = self.layout.modules
         every = settings.every_steps
         on_report = self.hooks.on_step_report
@@ -159,13 +164,13 @@ class ElasticWorker:
         # it (decide every k steps), and the interval that an epoch's end closes feeds the
         # next epoch's first. A rollback's plan is the next decision like any other.
         self.decision = 0
-        self.interval = settings.interval
+        self.interval = decision_interval(settings.decisions, steps)
         self.state = RankState(settings.rank, self.layout, self.stepper, self.norms, self.scaler,
                                self.hooks.on_shard)
         # The model stays on the host, where the adapter built it, until the first plan says
         # which layers this rank holds: only those reach the device (:mod:`.owned`).
         self.memory = MemoryMeter(self.modules, self.device)
-        self.probe = probe_for(probe_indices(cfg, len(splits.train)), splits,
+        self.probe = probe_for(probe_indices(freeze, settings.seed, len(splits.train)), splits,
                                settings.eval_batch_size, self.comm)
 
     # The layout in force, as the rest of the engine (and tests) read it.
@@ -180,7 +185,7 @@ class ElasticWorker:
         costs = self.fixed_costs
         if costs is None:
             # One pass's replica share: what a device holds at once with accumulation.
-            share = (self.settings.batch_size // self.settings.step.optimizer.accumulation_steps
+            share = (self.settings.batch_size // self.settings.layout.optimizer.accumulation_steps
                      // self.world)
             costs = profile_share(self.adapter, self.splits.train, share, self.device,
                                   self.precision)

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pt_ray.core.config import ModelConfig, RunConfig
+from pt_ray.core.config import DataConfig, ModelConfig, RunConfig
 from pt_ray.data.base import DatasetSplits
 from pt_ray.models.base import ModelAdapter
 from pt_ray.models.export import README, export_model, folder_line
@@ -61,32 +61,36 @@ def export_adapter(adapter: ModelAdapter, out: Path, source: str, *, model: Mode
     return export_model(adapter, out, tokenizer=_tokenizer(model, tokenizer), source=source)
 
 
-def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: Path,
+def export_checkpoint(checkpoint: str | Path, out: Path, *, model: ModelConfig,
+                      data: DataConfig, seed: int, name: str,
                       splits: DatasetSplits | None = None) -> Path:
     """Rebuild the run's model, load a checkpoint's parameters and export them into ``out``.
 
     Args:
-        cfg: the run's resolved configuration.
         checkpoint: a checkpoint directory (shards and ``meta.json``).
         out: the export folder.
-        splits: the run's datasets, which size the model (default: built from ``cfg.data``).
+        model: the run's resolved ``model`` section.
+        data: the run's ``data`` section (its datasets size the model; its tokenizer).
+        seed: the run's ``seed``.
+        name: the run's ``name``, for the README.
+        splits: the run's datasets, which size the model (default: built from ``data``).
 
     Raises:
         FileNotFoundError: the checkpoint or the dataset files are missing.
-        ValueError: the model cannot be built from ``cfg``.
+        ValueError: the model cannot be built from ``model``.
     """
     from pt_ray.data.registry import build_dataset
     from pt_ray.runtime.checkpoint import load_parameters
     from pt_ray.runtime.build import build_model_for
 
     if splits is None:
-        splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-    adapter = build_model_for(cfg, splits)
+        splits = build_dataset(data, seed=seed, tokenizer_dir=model.weights)
+    adapter = build_model_for(model, seed, splits)
     meta = load_parameters(Path(checkpoint), adapter)
     logger.info("exporting the parameters after epoch %d from %s", meta["epoch"], checkpoint)
     return export_adapter(adapter, out,
-                          f"run {cfg.name!r}, checkpoint after epoch {meta['epoch'] + 1}",
-                          model=cfg.model, tokenizer=cfg.data.tokenizer)
+                          f"run {name!r}, checkpoint after epoch {meta['epoch'] + 1}",
+                          model=model, tokenizer=data.tokenizer)
 
 
 def find_checkpoint(run_dir: Path, summary: dict[str, Any]) -> Path | None:
@@ -126,7 +130,9 @@ def export_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             raise FileNotFoundError(
                 f"checkpoint {checkpoint} not found (neither there nor under {run_dir / 'ray'}): "
                 "copy the run folder with its ray/ subfolder")
-        return write_card(export_checkpoint(cfg, checkpoint, target), summary)
+        exported = export_checkpoint(checkpoint, target, model=cfg.model, data=cfg.data,
+                                     seed=cfg.seed, name=cfg.name)
+        return write_card(exported, summary)
     existing = run_dir / MODEL_DIR
     if not (existing / "config.json").is_file():
         engine = summary.get("engine", cfg.engine)

@@ -24,13 +24,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
-from pt_ray.core.config import OptimizerConfig, RunConfig
 from pt_ray.data.sampler import GlobalSampler
 from pt_ray.data.base import (
     Batch,
@@ -50,7 +47,6 @@ from pt_ray.core.freeze import (
     PROBE_REVERTED,
     FreezeGuard,
     FreezePolicy,
-    policy_traits,
 )
 from pt_ray.models.base import (
     ModelAdapter,
@@ -61,6 +57,7 @@ from pt_ray.models.base import (
     run_blocks,
 )
 from pt_ray.runtime.build import build_model_for
+from pt_ray.runtime.settings import ReferenceSettings
 from pt_ray.runtime.layerstate import capture_layers, load_layers_into
 from pt_ray.runtime.norms import GradNormMeter, block_grad_norms
 from pt_ray.runtime.precision import LossScaler, Precision, resolve_precision
@@ -181,85 +178,39 @@ class ReferenceProbe:
         return total / len(self.indices)
 
 
-@dataclass(frozen=True)
-class ReferenceSettings:
-    """What the reference trainer is told about the run (:class:`ReferenceTrainer`).
-
-    Attributes:
-        optimizer: the optimizer's section.
-        epochs: epochs of the run.
-        batch_size: B, the global batch.
-        eval_batch_size: samples per evaluation forward.
-        loader_workers: background processes that read the samples (``data.num_workers``).
-        activation_checkpointing: recompute the trainable blocks in the backward, as the
-            engine's stages do.
-        precision: ``precision`` (``auto``: fp32 in one CPU process).
-        guard_points: the accuracy guard's tolerance (None: no guard).
-        rollback: ``freeze.rollback``: the guard returns to the start of a harmful freeze's
-            epoch.
-        eval_epochs: the epochs (from 0) that end with an evaluation.
-        every_steps: ``logging.every_steps`` (0: no step reports).
-        interval: steps between the decisions inside an epoch (None: one per epoch;
-            :func:`pt_ray.control.state.decision_interval`).
-        total_samples: the run's training samples (the learning-rate schedule's length).
-    """
-
-    optimizer: OptimizerConfig
-    epochs: int
-    batch_size: int
-    eval_batch_size: int
-    loader_workers: int
-    activation_checkpointing: bool
-    precision: Literal["auto", "fp32", "bf16", "fp16"]
-    guard_points: float | None
-    rollback: bool
-    eval_epochs: frozenset[int]
-    every_steps: int
-    interval: int | None
-    total_samples: int
-
-
 def build_reference(
-    cfg: RunConfig,
+    settings: ReferenceSettings,
     *,
     splits: DatasetSplits | None = None,
     adapter: ModelAdapter | None = None,
     policy: FreezePolicy | None = None,
     on_step_report: Callable[[StepRecord], None] | None = None,
 ) -> ReferenceTrainer:
-    """The reference trainer of the run ``cfg``, its parts built from the config.
+    """The reference trainer of a run, its parts built from its settings
+    (:func:`pt_ray.service.settings.run_settings` reads them from the config).
 
     Args:
-        cfg: the run configuration.
-        splits: datasets (default: built from ``cfg.data``).
-        adapter: the model (default: built from ``cfg.model`` for ``splits``).
-        policy: the freeze policy (default: from ``cfg.freeze``, L from the model).
+        settings: what the trainer is told about the run.
+        splits: datasets (default: built from ``settings.data``).
+        adapter: the model (default: built from ``settings.model`` for ``splits``).
+        policy: the freeze policy (default: from ``settings.decisions``, L from the model).
         on_step_report: see :class:`ReferenceTrainer`.
     """
-    splits = splits or build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-    adapter = adapter or build_model_for(cfg, splits)
+    s = settings
+    seed, freeze = s.seed, s.decisions.freeze
+    splits = splits or build_dataset(s.data, seed=seed, tokenizer_dir=s.model.weights)
+    adapter = adapter or build_model_for(s.model, seed, splits)
     # The run's order, as the engine's (the same with the cache on or off).
-    sampler = training_sampler(cfg, len(splits.train))
+    sampler = training_sampler(freeze, s.batch_size, seed, len(splits.train))
     # With the pipeline pinned (pipeline.elastic=false) the Ray run freezes at most L - K0.
-    layers, workers = adapter.num_layers, cfg.pipeline.num_workers
-    pinned = (None if cfg.pipeline.elastic
-              else start_pipeline_length(cfg.pipeline.pipeline_length, layers, workers))
-    policy = policy or policy_for(cfg, layers, sampler.steps_per_epoch, pinned_length=pinned)
-    f, steps = cfg.freeze, sampler.steps_per_epoch
-    settings = ReferenceSettings(
-        optimizer=cfg.optimizer, epochs=cfg.epochs, batch_size=cfg.data.batch_size,
-        eval_batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-        loader_workers=cfg.data.num_workers,
-        activation_checkpointing=cfg.pipeline.activation_checkpointing,
-        precision=cfg.precision,
-        guard_points=f.guard_points if policy_traits(f.policy).freezes else None,
-        rollback=f.rollback,
-        eval_epochs=frozenset(e for e in range(cfg.epochs) if cfg.evaluates_after(e)),
-        every_steps=cfg.logging.every_steps, interval=decision_interval(cfg, steps),
-        total_samples=cfg.epochs * steps * cfg.data.batch_size)
+    layers = adapter.num_layers
+    pinned = (None if s.pinned_length is None
+              else start_pipeline_length(s.pinned_length, layers, s.num_workers))
+    policy = policy or policy_for(s.decisions, layers, sampler.steps_per_epoch,
+                                  pinned_length=pinned)
     return ReferenceTrainer(settings, splits=splits, adapter=adapter, policy=policy,
                             sampler=sampler,
-                            probe_samples=probe_indices(cfg, len(splits.train)),
+                            probe_samples=probe_indices(freeze, seed, len(splits.train)),
                             on_step_report=on_step_report)
 
 
@@ -314,7 +265,9 @@ class ReferenceTrainer:
         # Decisions are counted as the engine counts them: one opens each epoch, one more every
         # `interval` steps inside it (None: per epoch).
         self.decision = 0
-        self.interval = s.interval
+        self.interval = decision_interval(s.decisions, sampler.steps_per_epoch)
+        # The run's training samples: the learning-rate schedule's length.
+        self.total_samples = s.epochs * sampler.steps_per_epoch * s.batch_size
         self.discarded: list[EpochRecord] = []
         self.probe = (ReferenceProbe(adapter, splits.train, probe_samples, s.eval_batch_size,
                                      self.precision) if len(probe_samples) else None)
@@ -429,7 +382,7 @@ class ReferenceTrainer:
         """
         s = self.settings
         self.lr = s.optimizer.lr * lr_factor(
-            self.global_step * s.batch_size / s.total_samples, s.optimizer)
+            self.global_step * s.batch_size / self.total_samples, s.optimizer)
         set_lr(self.optimizer, self.lr)
         self.optimizer.zero_grad(set_to_none=True)
         parts = accumulation_chunks(len(batch), s.optimizer.accumulation_steps)

@@ -31,6 +31,7 @@ import ray
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
 from pt_ray.control.state import ControlState, build_control_state
+from pt_ray.service.settings import run_settings
 from pt_ray.costs.hwprofile import HardwareProfile
 from pt_ray.core.plan import CostTable, Plan
 from pt_ray.reporting.summary import EpochRecord
@@ -88,8 +89,9 @@ class ControllerActor:
         ``deterministic_transform`` whether the training data may be cached."""
         self.metric_name = metric_name
         if self.state is None or self.state.num_workers != num_workers:
-            self.state = build_control_state(self.cfg, num_layers, num_workers, steps_per_epoch,
-                                             hardware, deterministic_transform)
+            self.state = build_control_state(run_settings(self.cfg).control, num_layers,
+                                             num_workers, steps_per_epoch, hardware,
+                                             deterministic_transform)
 
     def _state(self) -> ControlState:
         """The decision state; a restarted actor that has not been restored has none, which a

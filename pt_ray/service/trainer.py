@@ -8,7 +8,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,7 @@ from ray.train import (
 from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import CacheConfig, PipelineConfig, RunConfig
 from pt_ray.core.devices import DeviceChoice, choose_devices
 from pt_ray.core.placement import ClusterView, demand_for
 from pt_ray.cache.policy import may_turn_on
@@ -41,6 +41,7 @@ from pt_ray.cache.owners import (
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.worker import train_loop_per_worker
+from pt_ray.reporting.files import write_text_atomically
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = ["RayRun", "cluster_devices", "ensure_ray", "run_on_ray"]
@@ -73,11 +74,12 @@ def starts_embedded() -> bool:
     return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
 
-def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
+def ensure_ray(pipeline: PipelineConfig, cache: CacheConfig, min_cpus: float = 0.0) -> bool:
     """Attach to the cluster in ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or start an
-    embedded local one sized for the run (and for at least ``min_cpus`` logical CPUs, e.g. a
-    Tune trial plus its run) with this host's :func:`local_gpus`. Returns True when this call
-    started Ray."""
+    embedded local one sized for the run's ``pipeline`` (and for at least ``min_cpus`` logical
+    CPUs, e.g. a Tune trial plus its run) with this host's :func:`local_gpus`, its object store
+    and spill folder from the run's ``cache`` section. Returns True when this call started
+    Ray."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -85,12 +87,12 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
         ray.init(logging_level=logging.WARNING)
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    need = max(cfg.pipeline.num_workers * cfg.pipeline.cpus_per_worker, min_cpus)
+    need = max(pipeline.num_workers * pipeline.cpus_per_worker, min_cpus)
     spill = {}
-    if cfg.cache.spill_directory is not None:
-        cfg.cache.spill_directory.mkdir(parents=True, exist_ok=True)
+    if cache.spill_directory is not None:
+        cache.spill_directory.mkdir(parents=True, exist_ok=True)
         # Hidden ray.init option in 2.60 (`ray start --object-spilling-directory` on clusters).
-        spill["object_spilling_directory"] = str(cfg.cache.spill_directory.resolve())
+        spill["object_spilling_directory"] = str(cache.spill_directory.resolve())
     port = _free_port()
     ray.init(
         address="local",
@@ -103,8 +105,8 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
         dashboard_port=port,
         # None: Ray's own default (30% of the available memory, within /dev/shm), which it
         # takes as objects arrive, not at start.
-        object_store_memory=(None if cfg.cache.object_store_bytes == "auto"
-                             else cfg.cache.object_store_bytes),
+        object_store_memory=(None if cache.object_store_bytes == "auto"
+                             else cache.object_store_bytes),
         logging_level=logging.WARNING,
         runtime_env={"env_vars": {
             # The cleaner resolves the state API by address "auto", which fails when another
@@ -124,7 +126,7 @@ def ensure_ray(cfg: RunConfig, min_cpus: float = 0.0) -> bool:
     )
     logger.info("object store %.0f MiB (cache.object_store_bytes=%s); spills to %s when full",
                 ray.cluster_resources().get("object_store_memory", 0) / 2**20,
-                cfg.cache.object_store_bytes,
+                cache.object_store_bytes,
                 spill.get("object_spilling_directory", "the Ray session directory"))
     return True
 
@@ -170,16 +172,17 @@ class RayRun:
     start_trials: list[dict[str, Any]] = field(default_factory=list)
 
 
-def cluster_devices(cfg: RunConfig) -> DeviceChoice:
-    """Decide the run's devices and precision from the GPUs of the cluster the run will use
-    (the connected one, or the embedded one :func:`ensure_ray` would start, before it starts),
-    and log the choice in one line.
+def cluster_devices(pipeline: PipelineConfig, engine: str, precision: str) -> DeviceChoice:
+    """Decide a run's devices and precision (from its ``pipeline`` section, ``engine`` and
+    ``precision``) from the GPUs of the cluster the run will use (the connected one, or the
+    embedded one :func:`ensure_ray` would start, before it starts), and log the choice in one
+    line.
 
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs.
     """
     gpus = local_gpus() if starts_embedded() else ray.cluster_resources().get("GPU", 0.0)
-    choice = choose_devices(cfg.pipeline, gpus, engine=cfg.engine, precision=cfg.precision)
+    choice = choose_devices(pipeline, gpus, engine=engine, precision=precision)
     logger.info(choice.describe())
     return choice
 
@@ -188,7 +191,7 @@ def run_on_ray(
     cfg: RunConfig,
     run_dir: Path,
     worker_env: dict[str, str] | None = None,
-    on_start: Callable[[RunConfig], None] | None = None,
+    config_file: Path | None = None,
     choice: DeviceChoice | None = None,
     resume_from: Path | None = None,
 ) -> RayRun:
@@ -198,9 +201,9 @@ def run_on_ray(
         cfg: the validated run configuration.
         run_dir: the run's output folder; Ray Train's storage goes under ``run_dir/ray``.
         worker_env: extra environment variables for the training workers.
-        on_start: called with the resolved configuration (devices and precision chosen, and
-            ``cache.worker_memo_bytes`` sized from the cluster's object stores)
-            before any actor or worker starts, e.g. to write ``config.yaml``.
+        config_file: where to write the resolved configuration (devices and precision
+            chosen, and ``cache.worker_memo_bytes`` sized from the cluster's object stores)
+            as YAML, before any actor or worker starts (None: nowhere).
         choice: the devices already chosen by :func:`cluster_devices` for the embedded
             cluster this call starts (None: chosen here).
         resume_from: a stopped run's checkpoint folder to continue from (its parameters,
@@ -219,10 +222,10 @@ def run_on_ray(
     """
     embedded = starts_embedded()
     if choice is None and embedded:
-        choice = cluster_devices(cfg)
-    started = ensure_ray(cfg)
+        choice = cluster_devices(cfg.pipeline, cfg.engine, cfg.precision)
+    started = ensure_ray(cfg.pipeline, cfg.cache)
     try:
-        choice = choice or cluster_devices(cfg)
+        choice = choice or cluster_devices(cfg.pipeline, cfg.engine, cfg.precision)
         cfg = cfg.model_copy(update=choice.config_update(cfg.pipeline))
         # An embedded cluster is sized for the run and has no autoscaler; a cluster pt-ray
         # attached to may be too small, or busy with other jobs.
@@ -231,11 +234,12 @@ def run_on_ray(
             view = wait_for_room(demand_for(cfg.pipeline, choice.use_gpu),
                                  cfg.pipeline.placement_timeout_s)
             autoscaler, watch = view.autoscaler, watches_preemption(view)
-        if may_turn_on(cfg):
+        if may_turn_on(cfg.cache, cfg.freeze):
             # Once, here: the controller's planner and every worker's memo read this figure.
-            cfg = resolve_cache_sizes(cfg, store_capacities())
-        if on_start is not None:
-            on_start(cfg)
+            cfg = cfg.model_copy(
+                update={"cache": resolve_cache_sizes(cfg.cache, store_capacities())})
+        if config_file is not None:
+            write_text_atomically(config_file, cfg.to_yaml())
         return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch)
     finally:
         if started:
@@ -271,19 +275,18 @@ def _train_env(placement_timeout_s: float, watch_preemption: bool) -> Iterator[N
             os.environ.pop(name, None)
 
 
-def _trainer(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, run_id: str,
-             cache: dict[str, Any], worker_env: dict[str, str], autoscaler: bool,
+def _trainer(p: PipelineConfig, run: dict[str, Any], choice: DeviceChoice, run_dir: Path,
+             run_id: str, cache: dict[str, Any], worker_env: dict[str, str], autoscaler: bool,
              resume_from: Path | None) -> tuple[TorchTrainer, int | tuple[int, int]]:
-    """Ray Train's trainer for the run, and its worker count (a range with
-    ``pipeline.min_workers``)."""
-    p = cfg.pipeline
+    """Ray Train's trainer for the run (``run``: its config as a dict, ``p`` its ``pipeline``
+    section), and its worker count (a range with ``pipeline.min_workers``)."""
     use_gpu = choice.use_gpu
     workers: int | tuple[int, int] = (
         p.num_workers if p.min_workers is None else (p.min_workers, p.num_workers)
     )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"run": cfg.model_dump(mode="json"),
+        train_loop_config={"run": run,
                            "controller": controller_name(run_id),
                            "cache": {node: cache_name(run_id, node) for node in cache} or None,
                            "run_dir": str(run_dir.resolve()),
@@ -318,21 +321,21 @@ def _trainer(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, run_id: str,
 def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
          autoscaler: bool = False, resume_from: Path | None = None,
          watch_preemption: bool = True) -> RayRun:
-    p = cfg.pipeline
+    p, run = cfg.pipeline, cfg.model_dump(mode="json")
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     # A lost controller comes back (Ray restarts it) and restores itself from the latest
     # checkpoint in the run's storage folder when the workers find it again.
     controller = ControllerActor.options(
         name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
-    ).remote(cfg.model_dump(mode="json"), str((run_dir / "ray" / run_id).resolve()))
+    ).remote(run, str((run_dir / "ray" / run_id).resolve()))
     # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
     # them). Whether the cache really turns on (the dataset's transform, the planner's
     # prediction) is decided later; the config alone may already rule it out.
     cache: dict[str, Any] = {}
-    if may_turn_on(cfg):
+    if may_turn_on(cfg.cache, cfg.freeze):
         cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)
     use_gpu = choice.use_gpu
-    trainer, workers = _trainer(cfg, choice, run_dir, run_id, cache, worker_env, autoscaler,
+    trainer, workers = _trainer(p, run, choice, run_dir, run_id, cache, worker_env, autoscaler,
                                 resume_from)
     logger.info("run %s: %s workers (%s, %s) on Ray Train", run_id, workers,
                 "GPU" if use_gpu else "CPU", choice.backend)

@@ -32,7 +32,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from pt_ray.reporting.logs import setup_logging
-from pt_ray.core.config import RunConfig
+from pt_ray.core.config import LoggingConfig, PipelineConfig, RunConfig
 from pt_ray.data.registry import build_dataset
 from pt_ray.runtime.faults import FaultSwitch, Faults, fault_hooks, stall
 from pt_ray.costs.hwprofile import HardwareProfile, profile_for_gpu
@@ -41,6 +41,7 @@ from pt_ray.runtime.engine import ElasticWorker, EngineHooks
 from pt_ray.runtime.build import build_model_for
 from pt_ray.cache.owners import RayStore
 from pt_ray.service.controller import RayController
+from pt_ray.service.settings import run_settings
 from pt_ray.reporting.progress import RunProgress
 from pt_ray.reporting.steplog import StepReporter, step_writers
 from pt_ray.reporting.summary import format_epoch
@@ -76,17 +77,18 @@ def _worker_faults(fault: Faults | None, controller_name: str):
     return at_step
 
 
-def _device(cfg: RunConfig) -> torch.device:
+def _device(pipeline: PipelineConfig) -> torch.device:
     """The worker's device: the GPU Ray Train assigned it when the driver chose GPUs
     (``pipeline.use_gpu`` arrives resolved to true or false), else the CPU."""
-    if cfg.pipeline.use_gpu is True:
+    if pipeline.use_gpu is True:
         # Ray Train shares CUDA_VISIBLE_DEVICES among a node's workers and maps each to its
         # own GPU; its TorchConfig has already made that the current device.
         return ray.train.torch.get_device()
     return torch.device("cpu")
 
 
-def _hardware(cfg: RunConfig, device: torch.device, rank: int) -> str | HardwareProfile:
+def _hardware(pipeline: PipelineConfig, precision: str, device: torch.device,
+              rank: int) -> str | HardwareProfile:
     """What ``pipeline.hardware=auto`` means on this worker: ``local-cpu`` on CPUs, a profile
     of the detected GPU (its name, memory and links; measured per-layer costs replace its
     compute figures) on GPUs."""
@@ -94,8 +96,8 @@ def _hardware(cfg: RunConfig, device: torch.device, rank: int) -> str | Hardware
         return "local-cpu"
     props = torch.cuda.get_device_properties(device)
     hw = profile_for_gpu(props.name, props.total_memory,
-                         ray.train.get_context().get_local_world_size(), cfg.precision)
-    if rank == 0 and cfg.pipeline.hardware == "auto":
+                         ray.train.get_context().get_local_world_size(), precision)
+    if rank == 0 and pipeline.hardware == "auto":
         logger.info("hardware profile from the device: %s", hw.description)
     return hw
 
@@ -120,7 +122,7 @@ def quiet_ray_train() -> None:
 _POLL_ENV, _POLL_DEFAULT_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0
 
 
-def _step_reporter(cfg: RunConfig, rank: int, run_dir: str | None,
+def _step_reporter(logging_cfg: LoggingConfig, rank: int, run_dir: str | None,
                    report: Callable[[dict[str, Any]], None] | None = None) -> StepReporter:
     """Where the ``logging.every_steps`` reports go: Ray Train's ``report`` on every rank (a
     barrier like the epoch's: every rank gets the same records and makes the same calls),
@@ -128,7 +130,7 @@ def _step_reporter(cfg: RunConfig, rank: int, run_dir: str | None,
     for the controller's poll and its barrier costs little; and with ``logging.tensorboard``
     every record as live scalars from rank 0 into ``<run_dir>/tensorboard``. ``report``
     stands in for Ray Train's in tests."""
-    writer = (step_writers(run_dir, cfg.logging.tensorboard, bool(cfg.logging.mlflow))
+    writer = (step_writers(run_dir, logging_cfg.tensorboard, bool(logging_cfg.mlflow))
               if rank == 0 and run_dir is not None else None)
     poll_s = float(os.environ.get(_POLL_ENV, _POLL_DEFAULT_S))
     return StepReporter(report or ray.train.report, writer, min_gap_s=max(1.5 * poll_s, 1.0))
@@ -202,11 +204,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
     built_data = time.time()
-    adapter = build_model_for(cfg, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits)
     built_model = time.time()
     controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s,
                                checkpoints_after=cfg.checkpoints_after)
-    device = _device(cfg)
+    device = _device(cfg.pipeline)
     store = RayStore(config["cache"]) if config.get("cache") else None
     # Rank 0 shows each epoch's progress (plain lines: a Ray worker's stdout is no terminal).
     progress = RunProgress(
@@ -222,12 +224,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if at_step is not None:
             at_step(epoch, step)
 
-    steps = _step_reporter(cfg, rank, config.get("run_dir"))
+    steps = _step_reporter(cfg.logging, rank, config.get("run_dir"))
     hooks = fault_hooks(fault, EngineHooks(on_step=on_step, on_step_report=steps))
-    worker = ElasticWorker(cfg, adapter=adapter, splits=splits, controller=controller,
-                           device=device, store=store, hooks=hooks)
+    worker = ElasticWorker(run_settings(cfg).engine, adapter=adapter, splits=splits,
+                           controller=controller, device=device, store=store, hooks=hooks)
     controller.setup(adapter.num_layers, world, worker.sampler.steps_per_epoch,
-                     adapter.metric_name, _hardware(cfg, device, rank),
+                     adapter.metric_name, _hardware(cfg.pipeline, cfg.precision, device, rank),
                      splits.train.deterministic_transform)
 
     first_epoch = _start_or_restore(worker, controller, config.get("resume_from"), rank, world)
