@@ -192,8 +192,15 @@ def ray_head():
     yield from _ray_head()
 
 
-def _ray_head(token: str | None = None):
-    """Start a head (with token authentication when given ``token``), yield it, stop it."""
+@pytest.fixture
+def ray_head_for_two():
+    """A head with room for two runs of two 1-CPU workers at once (CPUs are logical here)."""
+    yield from _ray_head(num_cpus=4)
+
+
+def _ray_head(token: str | None = None, num_cpus: int = 2):
+    """Start a head of ``num_cpus`` CPUs (with token authentication when given ``token``),
+    yield it, stop it."""
     # A short dir of our own: Ray's unix socket paths under it must stay below 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="ptj-", dir="/tmp")
     gcs, dash, client, agent, agent_grpc, env_agent, metrics, node, obj = free_ports(9)
@@ -201,7 +208,8 @@ def _ray_head(token: str | None = None):
     cmd = [
         str(RAY), "start", "--head", "--block",
         f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-        "--include-dashboard=true", "--num-cpus=2", f"--object-store-memory={300 * 2**20}",
+        "--include-dashboard=true", f"--num-cpus={num_cpus}",
+        f"--object-store-memory={300 * 2**20}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
         # Explicit ports: the defaults (10001, 52365, ...) may be held by another engineer's head.
         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
@@ -321,6 +329,118 @@ def test_ray_job_submit_trains_on_the_head_and_writes_the_summary(ray_head, tmp_
     assert ray_head.proc.returncode is not None
     assert not ray_head.stray, f"left behind by ray start --block: {ray_head.stray}"
     print(f"head start {ray_head.start_s:.1f} s, job {job_s:.1f} s, head stop {stop_s:.1f} s")
+
+
+def job_status(head: Head, submission_id: str) -> dict:
+    return http_json(f"{head.url}/api/jobs/{submission_id}")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_two_submitted_jobs_with_the_cache_on_each_end_on_their_reference_and_leave_no_actor(
+        ray_head_for_two, tmp_path):
+    """Two ``ray job submit`` jobs on one head at once, cache on, seeds 0 and 1: each ends on
+    the reference trainer's parameters for its own seed (the other seed's are far off, so a
+    run that read the other's cache rows or obeyed the other's controller would fail), each
+    run's controller and cache owner are named with its run id and started by its own driver,
+    and once both jobs end no actor either driver started is alive.
+
+    Two drivers, not two threads of one (test_many_jobs.py): each job is its own Ray job with
+    its own driver process and job id, as jobs on a shared cluster are. Actor names are
+    cluster-wide, so a name without the run id would collide across drivers or be found by
+    the other run; and an actor that outlives its driver (detached and not killed) stays on
+    the cluster after its job, which one driver's ``ray.shutdown`` at the end of a test hides.
+
+    It passes on today's code (run ids are unique, the run kills its controller and cache
+    owners when it ends, and they are owned by the driver besides). It fails when they are
+    not: with the controller detached and not killed, both controllers are left ALIVE.
+    """
+    from pt_ray.models.base import iter_layers
+    from pt_ray.runtime.reference import build_reference
+    from test_ray_engine import max_difference, tiny_config
+
+    head = ray_head_for_two
+    repo = working_dir_copy(tmp_path / "repo")
+    config = tmp_path / "tiny.yaml"
+    spec = tiny_config(tmp_path).model_dump(mode="json", exclude_unset=True)
+    del spec["output_dir"]
+    config.write_text(json.dumps(spec))  # JSON is YAML
+    runtime_env = {"env_vars": {**RAY_ENV, "RAY_API_SERVER_ADDRESS": head.url}}
+    tag = uuid.uuid4().hex[:8]
+    jobs = {f"pt-ray-{name}-{tag}": (name, seed, tmp_path / name)
+            for name, seed in (("job-a", 0), ("job-b", 1))}
+
+    t0 = time.monotonic()
+    for job_id, (name, seed, out) in jobs.items():
+        submitted = subprocess.run(
+            [str(RAY), "job", "submit", "--no-wait", "--address", head.url, "--submission-id",
+             job_id, "--working-dir", str(repo), "--runtime-env-json", json.dumps(runtime_env),
+             "--", "python", "jobs/train.py", "--config", str(config), "--set", f"name={name}",
+             "--set", f"seed={seed}", "--set", "cache.mode=on", "--output", str(out)],
+            env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert submitted.returncode == 0, (submitted.stdout + submitted.stderr)[-3000:]
+    deadline = time.monotonic() + 420
+    while (pending := [j for j in jobs if job_status(head, j)["status"]
+                       in ("PENDING", "RUNNING")]) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    both_s = time.monotonic() - t0
+    status = {j: job_status(head, j) for j in jobs}
+    assert not pending, f"still running after {both_s:.0f} s: {status}"
+    for job_id, job in status.items():
+        logs = http_json(f"{head.url}/api/jobs/{job_id}/logs")["logs"]
+        assert job["status"] == "SUCCEEDED", f"{job}\n{logs[-4000:]}"
+        assert "Found multiple active Ray instances" not in logs
+    # Both drivers ran at once (each job started before the other ended).
+    (a, b) = status.values()
+    assert a["start_time"] < b["end_time"] and b["start_time"] < a["end_time"], status
+
+    references = {}
+    for name, seed, _ in jobs.values():
+        trainer = build_reference(tiny_config(tmp_path / f"{name}-ref", name=name,
+                                              engine="reference", seed=seed))
+        trainer.fit()
+        references[name] = {layer: {k: v.clone() for k, v in m.state_dict().items()}
+                            for layer, m in iter_layers(trainer.adapter)}
+
+    runs = {}  # run id -> the Ray job id of the driver that ran it
+    for job_id, (name, seed, out) in jobs.items():
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["config"]["seed"] == seed and summary["config"]["cache"]["mode"] == "on"
+        # The freeze deepened and the cache served the frozen prefix by the last epoch.
+        assert [r["num_frozen"] for r in summary["timeline"]] == [0, 2, 3], summary["timeline"]
+        assert summary["timeline"][-1]["cache_hit_rate"] == 1.0, summary["timeline"]
+        assert summary["restarts"] == 0
+        other = next(n for n in references if n != name)
+        assert max_difference(summary["checkpoint"], references[name]) <= 1e-4, name
+        # The tolerance tells the seeds apart: the other seed's run ends elsewhere.
+        assert max_difference(summary["checkpoint"], references[other]) > 1e-2, name
+        runs[summary["run_id"]] = status[job_id]["job_id"]
+    assert len(runs) == 2 and len(set(runs.values())) == 2, runs
+
+    def actors() -> list[dict]:
+        listed = http_json(f"{head.url}/api/v0/actors?limit=10000&detail=true", timeout=30)
+        return listed["data"]["result"]["result"]
+
+    # Each run's controller and cache owner are its own: named with its run id and started by
+    # its own driver (so no actor is the two runs').
+    listed = actors()
+    for run_id, driver in runs.items():
+        named = {x["name"]: x["job_id"] for x in listed if run_id in (x.get("name") or "")}
+        assert {n.split(":")[0] for n in named} == {"pt-ray-controller", "pt-ray-cache"}, named
+        assert set(named.values()) == {driver}, named
+
+    # Nothing either driver started is left once its job has ended (pt-ray's actors, Ray
+    # Train's controller and workers), but Ray Train's AutoscalingCoordinator: detached by
+    # design, one for the whole cluster, started by whichever job trained first.
+    deadline = time.monotonic() + 60
+    while (left := [f"{x['class_name']} {x.get('name')} {x['state']}" for x in actors()
+                    if x["job_id"] in runs.values() and x["state"] != "DEAD"
+                    and x.get("name") != "AutoscalingCoordinator"]) and (
+            time.monotonic() < deadline):
+        time.sleep(1.0)
+    assert not left, f"not DEAD after both jobs ended: {left}"
+    print(f"two jobs at once: {both_s:.1f} s until both ended; head start "
+          f"{head.start_s:.1f} s")
 
 
 @pytest.fixture
