@@ -95,32 +95,32 @@ def test_a_verdict_against_a_freeze_from_before_a_resize_keeps_it_and_says_so(ca
 
     resized = _control(rollback=True, workers=1)
     plan = resized.resume(saved, 2)
-    assert (plan.num_workers, plan.num_frozen, resized.resized_at) == (1, 3, 2)
+    assert (plan.num_workers, plan.num_frozen, resized.verdicts.resized_at) == (1, 3, 2)
     with caplog.at_level("WARNING", logger="pt_ray.control.state"):
         kept = _epoch_end(resized, 2, _rec(2, 3, 0.80))
     assert kept.rollback_to is None and kept.num_frozen == 3
     assert resized.guard.stopped and resized.rollbacks == []
-    assert resized.kept == {"decision": 3, "epoch": 2, "freeze_epoch": 1, "resized_at": 2,
-                            "before": 0.90, "after": 0.80}
+    assert resized.verdicts.kept == {"decision": 3, "epoch": 2, "freeze_epoch": 1,
+                                     "resized_at": 2, "before": 0.90, "after": 0.80}
     reason = resized.decisions[-1]["reason"]
     assert "the freeze is kept" in reason and "resumed on 1 workers at epoch 2" in reason
     assert any("no snapshot crosses a resize" in r.message for r in caplog.records)
     # It is decided once: the next epoch neither rolls back nor records it again.
     assert _epoch_end(resized, 3, _rec(3, 3, 0.81)).rollback_to is None
-    assert resized.kept["decision"] == 3
+    assert resized.verdicts.kept["decision"] == 3
     again = _control(rollback=True, workers=1)  # and a checkpoint keeps both facts
     again.resume(resized.state_dict(), 4)
-    assert (again.resized_at, again.kept) == (2, resized.kept)
+    assert (again.verdicts.resized_at, again.verdicts.kept) == (2, resized.verdicts.kept)
 
     # Restarted on 1 worker after epoch 0 instead: epoch 1's freeze is made after the restart,
     # where every rank kept a snapshot (the resumed weights), so it rolls back as usual.
     early = _control(rollback=True)
     _epoch_end(early, 0, _rec(0, 0, 0.90))
     after = _control(rollback=True, workers=1)
-    assert after.resume(early.state_dict(), 1).num_frozen == 2 and after.resized_at == 1
+    assert after.resume(early.state_dict(), 1).num_frozen == 2 and after.verdicts.resized_at == 1
     rolled = _epoch_end(after, 1, _rec(1, 2, 0.80))
     assert (rolled.rollback_to, rolled.num_frozen) == (1, 0)
-    assert after.kept is None and after.rollbacks[0]["rollback_to"] == 1
+    assert after.verdicts.kept is None and after.rollbacks[0]["rollback_to"] == 1
 
 
 @dataclass

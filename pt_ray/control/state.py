@@ -36,6 +36,7 @@ from pt_ray.core.plan import (
     start_pipeline_length,
 )
 from pt_ray.control.trials import FirstLayoutTrials
+from pt_ray.control.verdicts import VerdictActions
 from pt_ray.reporting.summary import EpochRecord
 
 __all__ = [
@@ -118,7 +119,7 @@ class ControlState:
     orders one (``rollback_to = q``) opens epoch ``q`` again, and the decisions after it open
     the epochs after ``q`` in turn. A run resumed on another number of workers holds no
     snapshot from before its restart, so a verdict against a freeze made before it keeps the
-    freeze instead (:meth:`_keep_freeze`).
+    freeze instead (:class:`pt_ray.control.verdicts.VerdictActions`).
     """
 
     def __init__(
@@ -146,12 +147,7 @@ class ControlState:
         self.plans: dict[int, Plan] = {}
         self.timeline: list[EpochRecord] = []
         self.decisions: list[dict[str, Any]] = []
-        self.rollbacks: list[dict[str, Any]] = []
-        self.discarded: list[EpochRecord] = []
-        # The first epoch trained after a restart on another number of workers (None: none),
-        # and the guard's verdict kept because of it (no rollback crosses a resize).
-        self.resized_at: int | None = None
-        self.kept: dict[str, Any] | None = None
+        self.verdicts = VerdictActions()  # what the guard's verdict did
         self._cost_tables: dict[int, CostTable] = {}
         self._plain_memo: dict[int, tuple[Any, dict[str, Any]]] = {}
 
@@ -255,13 +251,12 @@ class ControlState:
     def _decide(self, decision: int, norms: dict[int, float]) -> None:
         assert self.planner is not None, "norms arrived before costs"
         prev = self.plans[decision - 1]
-        verdict = self.guard.verdict
-        kept = ""
-        if verdict is not None and verdict.rollback and not self.rollbacks and not self.kept:
-            if self.resized_at is None or verdict.freeze_epoch >= self.resized_at:
+        verdict, kept = self.verdicts.due(self.guard.verdict), ""
+        if verdict is not None:
+            if self.verdicts.can_roll_back(verdict):
                 self._roll_back(decision, prev, verdict)
                 return
-            kept = self._keep_freeze(decision, verdict)
+            kept = self.verdicts.keep_freeze(decision, verdict, self.num_workers)
         result = self.guard.hold(self.policy.decide(decision, prev.num_frozen, norms),
                                  prev.num_frozen)
         if kept:
@@ -289,39 +284,25 @@ class ControlState:
         (logger.warning if short else logger.info)("%s: %s", plan.describe(), line)
 
     def _roll_back(self, decision: int, prev: Plan, v: GuardVerdict) -> None:
-        """Order the guard's rollback: decision ``decision`` reopens the harmful freeze's first
-        epoch with the layout that trained the epoch before it (a new generation)."""
-        q = v.freeze_epoch
-        # No rollback has happened yet, so the prefix only grew: the layout that trained the
-        # start of epoch q is the last plan with the prefix the guard restores.
-        base = self.plans[max(d for d, p in self.plans.items() if p.num_frozen == v.num_frozen)]
-        plan = replace(base, generation=prev.generation + 1, rollback_to=q, probe_blocks=0)
+        """Order the guard's rollback at decision ``decision`` (:class:`VerdictActions`)."""
+        plan, self.timeline = self.verdicts.roll_back(decision, prev, v, self.plans, self.timeline)
         self.plans[decision] = plan
-        self.discarded += [r for r in self.timeline if r.epoch >= q]
-        self.timeline = [r for r in self.timeline if r.epoch < q]
-        entry = {"decision": decision, "epoch": v.epoch, "rollback_to": q,
-                 "num_frozen": plan.num_frozen, "undone": prev.num_frozen,
-                 "before": v.before, "after": v.after}
-        self.rollbacks.append(entry)
         self.decisions.append(
             {"decision": decision, "num_frozen": plan.num_frozen, "bound": plan.num_frozen,
              "reason": f"rollback: {v.describe()}", "generation": plan.generation})
         logger.warning("%s: rollback to the start of epoch %d (%s)",
-                       transition_line(f"{self.decision_label} {decision}", prev, plan), q,
-                       v.describe())
+                       transition_line(f"{self.decision_label} {decision}", prev, plan),
+                       v.freeze_epoch, v.describe())
 
-    def _keep_freeze(self, decision: int, v: GuardVerdict) -> str:
-        """The guard asks to undo a freeze made before a restart on another number of workers:
-        no rank holds that epoch's snapshot any more, so the freeze stays, freezing stops (the
-        guard holds it), and the reason says so. Returns that reason; logs a warning."""
-        self.kept = {"decision": decision, "epoch": v.epoch, "freeze_epoch": v.freeze_epoch,
-                     "resized_at": self.resized_at, "before": v.before, "after": v.after}
-        reason = (f"guard: eval metric fell from {v.before:.4f} to {v.after:.4f} after the "
-                  f"freeze of epoch {v.freeze_epoch}, but the run resumed on {self.num_workers} "
-                  f"workers at epoch {self.resized_at} and no snapshot crosses a resize: the "
-                  "freeze is kept, freezing stops")
-        logger.warning("%s %d: %s", self.decision_label, decision, reason)
-        return reason
+    @property
+    def rollbacks(self) -> list[dict[str, Any]]:
+        """The guard's rollbacks (:attr:`VerdictActions.rollbacks`)."""
+        return self.verdicts.rollbacks
+
+    @property
+    def discarded(self) -> list[EpochRecord]:
+        """The records of the epochs a rollback undid."""
+        return self.verdicts.discarded
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -336,12 +317,9 @@ class ControlState:
             "decisions": list(self.decisions),
             "policy": policy_state() if policy_state else None,
             "guard": self.guard.state_dict(),
-            "rollbacks": list(self.rollbacks),
-            "discarded": [self._plain(r) for r in self.discarded],
             "start_trials": list(self.start_trials),
             "start_plan": self._plain(self.start_plan) if self.start_plan else None,
-            "resized_at": self.resized_at,
-            "kept": self.kept,
+            **self.verdicts.state_dict(),
         }
 
     def _plain(self, item: Any) -> dict[str, Any]:
@@ -365,7 +343,7 @@ class ControlState:
         plan = self.plans[next_decision]
         if plan.num_workers != self.num_workers:
             assert self.planner is not None
-            self.resized_at = max((r.epoch for r in self.timeline), default=-1) + 1
+            self.verdicts.resized_at = max((r.epoch for r in self.timeline), default=-1) + 1
             new = self.planner.replan(plan, self.num_workers)
             logger.info("resumed on %d workers instead of %d: %s", self.num_workers,
                         plan.num_workers, new.describe())
@@ -394,11 +372,8 @@ class ControlState:
             self.policy.load_state_dict(state["policy"])
         if state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
-        self.rollbacks = list(state.get("rollbacks", []))
-        self.discarded = [EpochRecord.from_dict(r) for r in state.get("discarded", [])]
+        self.verdicts = VerdictActions.from_state(state)
         self.start_trials = list(state.get("start_trials", []))
-        self.resized_at = state.get("resized_at")
-        self.kept = state.get("kept")
 
 
 @dataclass(frozen=True)
