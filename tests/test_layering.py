@@ -170,18 +170,23 @@ def test_no_two_folders_import_each_other():
     assert cycle_in(folder_imports(sorted(PKG.rglob("*.py")))) is None
 
 
+def edges_in(folder: Path) -> dict[str, set[str]]:
+    """The folder imports of a tree of ``pt_ray`` stand-ins written under ``folder``."""
+    global PKG
+    real, PKG = PKG, folder
+    try:
+        return folder_imports(sorted(folder.rglob("*.py")))
+    finally:
+        PKG = real
+
+
 @pytest.mark.unit
 def test_the_cycle_check_finds_a_cycle_between_folders(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "x.py").write_text("from pt_ray.b.y import f\n")
     (tmp_path / "b" / "y.py").write_text("def f():\n    from pt_ray.a import x\n")
-    global PKG
-    real, PKG = PKG, tmp_path
-    try:
-        edges = folder_imports(sorted(tmp_path.rglob("*.py")))
-    finally:
-        PKG = real
+    edges = edges_in(tmp_path)
     assert edges == {"a": {"b"}, "b": {"a"}}
     assert cycle_in(edges) in (["a", "b", "a"], ["b", "a", "b"])
     assert cycle_in({"a": {"b"}, "b": {"c"}}) is None
@@ -229,12 +234,7 @@ def test_checker_places_a_split_package_module_on_its_own_floor(tmp_path):
     (tmp_path / "cache" / "policy.py").write_text("from pt_ray.cache.store import X\n")
     (tmp_path / "runtime").mkdir()
     (tmp_path / "runtime" / "engine.py").write_text("import pt_ray.cache.owners\n")
-    global PKG
-    real, PKG = PKG, tmp_path
-    try:
-        edges = folder_imports(sorted(tmp_path.rglob("*.py")))
-    finally:
-        PKG = real
+    edges = edges_in(tmp_path)
     assert edges == {"cache.policy": {"cache.store"}, "runtime": {"cache.owners"}}
     assert "cache.store" not in ALLOWED["cache.policy"]
     assert "cache.owners" not in ALLOWED["runtime"]
