@@ -130,3 +130,31 @@ def test_a_report_that_cannot_be_drawn_writes_its_reason_and_raises_nothing(tmp_
     assert report_main([str(tmp_path / "summary.json"), str(tmp_path / "report.png")]) == 1
     assert not (tmp_path / "report.png").exists()
     assert "report.png not written" in Path(tmp_path / ERROR_FILE).read_text()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("given", ["real", "meta"])
+def test_the_export_loads_the_checkpoint_into_the_preflights_model_or_builds_one(
+        tmp_path, driver_counts, given):
+    import torch
+    from safetensors.torch import load_file
+
+    from pt_ray.models.base import iter_layers
+    from pt_ray.runtime.checkpoint import write_meta, write_shard
+    from pt_ray.runtime.export import export_checkpoint
+
+    cfg = tiny_config(tmp_path, "ray")
+    splits, trained = preflight(cfg.model_copy(update={"seed": 7}))
+    write_shard(tmp_path / "ckpt", 0, {name: {"params": module.state_dict(), "optim": []}
+                                       for name, module in iter_layers(trained)})
+    write_meta(tmp_path / "ckpt", {"epoch": 1})
+    _, built = preflight(cfg, meta=given == "meta")
+    driver_counts.clear()
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "model", model=cfg.model,
+                            data=cfg.data, seed=cfg.seed, name=cfg.name, splits=splits,
+                            adapter=built)
+    # A real preflight model is the export's; a shapes-only one is replaced by one full build.
+    assert driver_counts == ({} if given == "real" else {"full builds": 1})
+    exported = load_file(out / "model.safetensors")
+    for key, value in trained.model.state_dict().items():
+        assert torch.equal(exported[key], value), key
