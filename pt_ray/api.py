@@ -103,13 +103,22 @@ def _try_output_dir(path: Path, existing: Path, fix: str) -> None:
             folder.rmdir()
 
 
-def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:
+def preflight(cfg: RunConfig, *, meta: bool = False) -> tuple[DatasetSplits, ModelAdapter]:
     """Build the dataset and the model once in the driver, so that a bad path, file, model name
     or layout fails here, before any Ray worker starts.
 
+    Args:
+        cfg: the run's configuration.
+        meta: build the model on torch's meta device where its builder allows it
+            (:func:`pt_ray.runtime.build.builds_on_meta`): every check runs (names, fields,
+            weights files read and matched, the layer count against ``pipeline_length`` and
+            ``max_frozen``) but no parameter memory is allocated. The Ray engine's driver
+            uses it: its workers build the real model.
+
     Returns:
-        The built splits and model (the reference engine trains them; the Ray engine's workers
-        build their own).
+        The built splits and model (the reference engine trains them; on the Ray engine the
+        export reuses both: the splits size the model it loads the last checkpoint into, and
+        a model built for real is that model).
 
     Raises:
         ConfigError: the configuration cannot run (the message names the field and the fix).
@@ -120,7 +129,7 @@ def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:
     # The builders raise ConfigError for what the user gave them (paths, files, names, model
     # fields); anything else they raise is a bug and keeps its traceback.
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-    adapter = build_model_for(cfg.model, cfg.seed, splits)
+    adapter = build_model_for(cfg.model, cfg.seed, splits, meta=meta)
     num_layers = adapter.num_layers
     k = cfg.pipeline.pipeline_length
     if isinstance(k, int) and k > num_layers:
@@ -138,12 +147,13 @@ def preflight(cfg: RunConfig) -> tuple[DatasetSplits, ModelAdapter]:
 
 def _write_extras(logging_cfg: LoggingConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """The report PNG and TensorBoard scalars the ``logging`` section asks for (never fails the
-    run)."""
+    run). The PNG is drawn in a process of its own, started here, which outlives the call
+    (:mod:`pt_ray.reporting.report_process`): the run does not wait for it."""
     try:
         if logging_cfg.report:
-            from pt_ray.reporting.report import render_report
+            from pt_ray.reporting.report_process import start_report
 
-            render_report(summary, run_dir / "report.png")
+            start_report(run_dir / "summary.json", run_dir / "report.png")
         if logging_cfg.tensorboard:
             from pt_ray.reporting.tensorboard import write_tensorboard
 
@@ -154,11 +164,13 @@ def _write_extras(logging_cfg: LoggingConfig, summary: dict[str, Any], run_dir: 
 
 def _export_model(run_dir: Path, adapter: Any, checkpoint: str | None,
                   summary: dict[str, Any], *, model: ModelConfig, data: DataConfig, seed: int,
-                  name: str) -> None:
+                  name: str, splits: DatasetSplits, built: ModelAdapter) -> None:
     """The trained model in its library's own format into ``run_dir/model`` (from the
-    reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint, rebuilt
-    from the run's ``model``, ``data`` and ``seed``), with its model card; a failure is logged
-    with the command that retries it, and never fails the finished run."""
+    reference trainer's ``adapter`` in memory, else the Ray run's last checkpoint loaded into
+    the preflight's model ``built``, or into one built from the run's ``model`` and ``seed``
+    and sized by the preflight's ``splits`` when ``built`` holds shapes only), with its model
+    card; a failure is logged with the command that retries it, and never fails the finished
+    run."""
     from pt_ray.runtime.export import MODEL_DIR, export_adapter, export_checkpoint, write_card
 
     out = run_dir / MODEL_DIR
@@ -167,7 +179,8 @@ def _export_model(run_dir: Path, adapter: Any, checkpoint: str | None,
             export_adapter(adapter, out, f"run {name!r} in {run_dir}", model=model,
                            tokenizer=data.tokenizer)
         elif checkpoint is not None:
-            export_checkpoint(checkpoint, out, model=model, data=data, seed=seed, name=name)
+            export_checkpoint(checkpoint, out, model=model, data=data, seed=seed, name=name,
+                              splits=splits, adapter=built)
         else:
             logger.warning("model not exported: the run left no checkpoint")
             return
@@ -190,6 +203,8 @@ class Result:
         wall_time_s: wall time of the whole run (of this part of it, for a resumed run).
         run_dir: where ``config.yaml`` and ``summary.json`` were written, and the trained
             model in its library's own format (``model/``; :meth:`load_model` reads it).
+            ``report.png`` (``logging.report``) is drawn there by a process of its own, which
+            may still run when ``fit`` returns: :meth:`wait_for_report` waits for it.
         checkpoint: the latest checkpoint directory (Ray engine), loadable with
             ``pt_ray.runtime.checkpoint.load_layers``; None for the reference engine.
         decisions: every freeze decision with its numbers and reason (Ray engine).
@@ -223,6 +238,16 @@ class Result:
 
         return load_exported(self.run_dir / MODEL_DIR)
 
+    def wait_for_report(self, timeout_s: float = 120.0) -> Path | None:
+        """Wait up to ``timeout_s`` for ``run_dir/report.png`` to be drawn; returns its path,
+        or None when it was not (``logging.report`` off, a failure: its reason is in
+        ``report.error.txt`` beside it, or still drawing after ``timeout_s``)."""
+        from pt_ray.reporting.report_process import wait_for_reports
+
+        png = self.run_dir / "report.png"
+        wait_for_reports(timeout_s, out=png)
+        return png if png.is_file() else None
+
 
 def fit(
     config: RunConfig | Mapping[str, Any] | str | Path | None = None,
@@ -237,6 +262,14 @@ def fit(
 ) -> Result:
     """Train a model with AutoFreeze and write ``config.yaml``, ``summary.json`` and the
     trained model in its library's own format (``model/``, see :mod:`pt_ray.runtime.export`).
+
+    ``fit`` returns once the model and the summary are written. ``report.png`` is drawn by a
+    process of its own, started with the summary and left running (an interrupt of the caller
+    does not stop it); :meth:`Result.wait_for_report` waits for it, and ``pt-ray train``
+    does so before it exits. A report that cannot be drawn never fails the run: the reason is
+    in ``report.error.txt`` beside it. On the Ray engine the driver's preflight builds the model
+    on the meta device (shapes and checks only) and the export is the one full build of the
+    model in this process; the reference engine builds it once, trains it and exports it.
 
     Args:
         config: a RunConfig, a dict of fields, a YAML path, or None for the default job.
@@ -283,7 +316,8 @@ def fit(
         cfg = resolve_config(cfg, _write_tables(cfg.data, run_dir, train_data, eval_data))
     choice = _early_device_choice(cfg.engine, cfg.pipeline, cfg.precision)
     built_from = time.perf_counter()
-    splits, adapter = preflight(cfg)
+    # The reference engine trains the preflight's model; on Ray it only needs its shapes.
+    splits, adapter = preflight(cfg, meta=cfg.engine == "ray")
     preflight_s = time.perf_counter() - built_from
     from pt_ray.cache.policy import cache_policy
 
@@ -304,6 +338,7 @@ def fit(
                 _quietly(tracker.fail, "MLflow run not marked failed")
             raise
         if tracker is not None:
+            result.wait_for_report()  # MLflow logs the PNG
             _quietly(lambda: tracker.finish(read_summary(run_dir)), "MLflow run not logged")
         return result
 
@@ -329,8 +364,7 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
         assert choice is not None
         run = _train_reference(cfg.model_copy(update=choice.config_update(cfg.pipeline)),
                                choice.device, splits, adapter, run_dir, on_epoch)
-    else:
-        del splits, adapter  # the workers build their own
+    else:  # the workers build their own; the export reuses the splits (and a real model)
         from pt_ray.service.trainer import run_on_ray
 
         ray_run = run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
@@ -350,7 +384,7 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
     )
     _write_extras(cfg.logging, summary, run_dir)
     _export_model(run_dir, run.trained, extra.get("checkpoint"), summary, model=cfg.model,
-                  data=cfg.data, seed=cfg.seed, name=cfg.name)
+                  data=cfg.data, seed=cfg.seed, name=cfg.name, splits=splits, built=adapter)
     return Result(cfg, timeline, run.metric_name, timeline[-1].eval_metric, wall, run_dir,
                   checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
                   restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))

@@ -35,7 +35,7 @@ RECORD_KEYS = {
 }
 
 
-@pytest.mark.unit
+@pytest.mark.proc  # the report is drawn in a process of its own, which the command waits for
 def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     caplog.set_level(logging.INFO)
     out = tmp_path / "run"
@@ -80,13 +80,15 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     assert epoch_lines[0].startswith("epoch   1/2  loss ")
     assert "frozen  1/2" in epoch_lines[1]
     assert "final accuracy" in stdout and str(out / "summary.json") in stdout
+    assert f"report at {out / 'report.png'}" in stdout and (out / "report.png").is_file()
 
 
 @pytest.mark.unit
 def test_explicit_precision_is_recorded(tmp_path):
     out = tmp_path / "run"
 
-    assert main(["train", *TINY, "--set", "precision=bf16", "--output", str(out)]) == 0
+    assert main(["train", *TINY, "--set", "precision=bf16", "--set", "logging.report=false",
+                 "--output", str(out)]) == 0
 
     assert json.loads((out / "summary.json").read_text())["precision"] == "bf16"
     assert load_config(out / "config.yaml").precision == "bf16"

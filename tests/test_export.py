@@ -163,7 +163,8 @@ def test_text_run_exports_its_tokenizer(tmp_path):
     (tmp_path / "dev.tsv").write_text("\n".join(rows[:5]) + "\n")
     data = {"name": "glue_tsv", "path": str(tmp_path), "tokenizer": str(minilm_dir()),
             "seq_len": 8, "batch_size": 8}
-    result = fit({**BERT, **TRAIN, "data": data, "epochs": 1}, overrides=["engine=reference"],
+    result = fit({**BERT, **TRAIN, "data": data, "epochs": 1, "logging": {"report": False}},
+                 overrides=["engine=reference"],
                  output_dir=tmp_path / "run", on_epoch=lambda rec: None)
     folder = result.run_dir / "model"
     from transformers import AutoTokenizer

@@ -185,7 +185,7 @@ def test_reference_run_trains_a_new_family_from_its_directory(tmp_path: Path) ->
         "model": {"family": "hf", "name": "camembert", "weights": str(folder), "dropout": 0.0},
         "data": {"name": "synthetic_text", "num_samples": 192, "seq_len": 12, "batch_size": 16},
     }
-    result = fit({**run, **TRAIN}, overrides=["engine=reference"], output_dir=tmp_path / "run",
-                 on_epoch=lambda rec: None)
+    result = fit({**run, **TRAIN, "logging": {"report": False}}, overrides=["engine=reference"],
+                 output_dir=tmp_path / "run", on_epoch=lambda rec: None)
     assert result.final_eval_metric > 0.4  # 4 classes
     assert type(result.load_model()).__name__ == "CamembertForSequenceClassification"

@@ -60,7 +60,7 @@ def test_without_mlflow_installed_the_run_stops_in_one_line(tmp_path, monkeypatc
     assert not (tmp_path / "nomlflow" / "summary.json").exists()
 
 
-@pytest.mark.unit
+@pytest.mark.proc  # report.png is drawn in a process of its own, which the run waits for
 @pytest.mark.timeout(120)
 def test_a_run_logs_its_config_metrics_timeline_report_and_model(tmp_path):
     result = fit({**TINY, "name": "tracked", "output_dir": str(tmp_path)})

@@ -79,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"pt-ray: error: {one_line(err)}", file=sys.stderr)
         return 2
+    # The report is drawn in a process of its own while the run ends; the command waits for it
+    # so that the folder is complete when the prompt returns.
+    report = result.wait_for_report() if result.config.logging.report else None
     print(
         f"done in {result.wall_time_s:.1f} s: final {result.metric_name} "
         f"{result.final_eval_metric:.4f}; summary at {result.run_dir / 'summary.json'}"
+        + (f", report at {report}" if report is not None else "")
     )
     return 0
 

@@ -272,6 +272,8 @@ def load_timm_weights(model: nn.Module, path: str | Path) -> None:
             path,
             ", ".join(sorted(head_keys)),
         )
+    if any(p.is_meta for p in model.parameters()):
+        return  # a preflight's shapes-only model: checked above, nothing to copy into
     model.load_state_dict({k: v for k, v in state.items() if k not in head_keys}, strict=False)
 
 

@@ -3,7 +3,8 @@
 The reference engine holds the final parameters in memory and ``fit`` exports them as the run
 ends. The Ray engine's final parameters are its last checkpoint's per-layer shards (the last
 epoch always checkpoints): the model is rebuilt from the run's config, sized by its dataset as
-the run sized it, and the shards are loaded into it. The format is
+the run sized it (``fit`` passes the preflight's datasets, so the data is not read again), and
+the shards are loaded into it. The format is
 :mod:`pt_ray.models.export`'s.
 """
 
@@ -63,7 +64,8 @@ def export_adapter(adapter: ModelAdapter, out: Path, source: str, *, model: Mode
 
 def export_checkpoint(checkpoint: str | Path, out: Path, *, model: ModelConfig,
                       data: DataConfig, seed: int, name: str,
-                      splits: DatasetSplits | None = None) -> Path:
+                      splits: DatasetSplits | None = None,
+                      adapter: ModelAdapter | None = None) -> Path:
     """Rebuild the run's model, load a checkpoint's parameters and export them into ``out``.
 
     Args:
@@ -74,6 +76,8 @@ def export_checkpoint(checkpoint: str | Path, out: Path, *, model: ModelConfig,
         seed: the run's ``seed``.
         name: the run's ``name``, for the README.
         splits: the run's datasets, which size the model (default: built from ``data``).
+        adapter: the run's model built already (the driver's preflight), to load the
+            checkpoint into; one on the meta device (shapes only) or None: built here.
 
     Raises:
         FileNotFoundError: the checkpoint or the dataset files are missing.
@@ -81,11 +85,12 @@ def export_checkpoint(checkpoint: str | Path, out: Path, *, model: ModelConfig,
     """
     from pt_ray.data.registry import build_dataset
     from pt_ray.runtime.checkpoint import load_parameters
-    from pt_ray.runtime.build import build_model_for
+    from pt_ray.runtime.build import build_model_for, on_meta
 
-    if splits is None:
-        splits = build_dataset(data, seed=seed, tokenizer_dir=model.weights)
-    adapter = build_model_for(model, seed, splits)
+    if adapter is None or on_meta(adapter):
+        if splits is None:
+            splits = build_dataset(data, seed=seed, tokenizer_dir=model.weights)
+        adapter = build_model_for(model, seed, splits)
     meta = load_parameters(Path(checkpoint), adapter)
     logger.info("exporting the parameters after epoch %d from %s", meta["epoch"], checkpoint)
     return export_adapter(adapter, out,
