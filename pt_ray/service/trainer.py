@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.train import (
     CheckpointConfig,
     FailureConfig,
@@ -68,8 +69,6 @@ def _free_port() -> int:
 def local_gpus() -> int:
     """GPUs this host gives an embedded cluster: those torch can use here
     (``CUDA_VISIBLE_DEVICES`` honoured), so that the count is known before Ray starts."""
-    import torch  # the driver's preflight loads it anyway; the import of this module does not
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
