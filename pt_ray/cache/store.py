@@ -1,8 +1,9 @@
 """The activation cache's store: frozen-prefix outputs per sample, kept in blocks of samples.
 
-Torch runtime layer (numpy and torch, never ray). An entry is one sample's prefix output (the
-state tuple: hidden states, plus the attention mask for BERT-family models) keyed by
-``(sample index, num_frozen)``; entries are grouped by cache block
+Torch runtime layer (numpy and torch, never ray; torch loads only in the two conversions, so
+the Ray cache owners that keep the ledger never pay its import). An entry is one sample's
+prefix output (the state tuple: hidden states, plus the attention mask for BERT-family models)
+keyed by ``(sample index, num_frozen)``; entries are grouped by cache block
 (:class:`pt_ray.data.sampler.CacheBlocks`), so one object holds a whole block at one depth.
 
 * :class:`ActivationStore` is the seam: stage 0 reads a step's blocks at once and writes
@@ -22,10 +23,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ActivationStore",
@@ -51,6 +54,8 @@ H = TypeVar("H")
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
     """A CPU numpy copy of ``t`` with its torch dtype's name (bfloat16 as raw 16-bit words).
     A tensor on another device is copied to the host once (that copy is the result)."""
+    import torch
+
     on_host = t.device.type == "cpu"
     t = t.detach().cpu().contiguous()
     name = str(t.dtype).removeprefix("torch.")
@@ -62,6 +67,8 @@ def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
 def from_numpy(a: np.ndarray, dtype: str, copy: bool = True) -> torch.Tensor:
     """The tensor :func:`to_numpy` stored. With ``copy`` (for read-only views of the store)
     the result owns its memory, so no store buffer stays pinned; without, it shares ``a``."""
+    import torch
+
     t = torch.from_numpy(np.array(a, copy=True) if copy else a)
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 

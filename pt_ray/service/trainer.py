@@ -40,7 +40,7 @@ from pt_ray.cache.owners import (
 )
 from pt_ray.service.controller import ControllerActor, controller_name
 from pt_ray.service.placement import placement_failure, wait_for_room
-from pt_ray.service.worker import train_loop_per_worker
+from pt_ray.service.loop import WORKER_LOOP
 from pt_ray.reporting.files import write_text_atomically
 from pt_ray.reporting.summary import EpochRecord
 
@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 # How often Ray may restart a lost controller actor in one run.
 _CONTROLLER_RESTARTS = 3
+
+# pt-ray's own actors on an embedded cluster's one node: the controller and the cache owner.
+_OWN_ACTORS = 2
 
 # Ray Train 2.60's wait for its worker group's placement group, per attempt (default 60 s); a
 # timed-out attempt is a controller failure, retried up to FailureConfig.controller_failure_limit.
@@ -121,7 +124,14 @@ def ensure_ray(pipeline: PipelineConfig, cache: CacheConfig, min_cpus: float = 0
         # runtime_env; every actor of a run here has one (this job's above, or Ray Train's
         # own), so none could take them: starting them would only take CPU from the run's own
         # processes while they start.
-        _system_config={"prestart_worker_first_driver": False},
+        # Ray starts at most as many worker processes at once as the host has CPUs; the
+        # controller and the cache owner (zero-CPU actors, created just before
+        # TorchTrainer.fit()) would take those start slots from Ray Train's own controller and
+        # workers while they start. Two more slots for them: on a small head Ray Train no
+        # longer waits for pt-ray's actors to start.
+        _system_config={"prestart_worker_first_driver": False,
+                        "worker_maximum_startup_concurrency":
+                            (os.cpu_count() or 1) + _OWN_ACTORS},
         **spill,
     )
     logger.info("object store %.0f MiB (cache.object_store_bytes=%s); spills to %s when full",
@@ -285,8 +295,11 @@ def _trainer(p: PipelineConfig, run: dict[str, Any], choice: DeviceChoice, run_d
         p.num_workers if p.min_workers is None else (p.min_workers, p.num_workers)
     )
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        # A stand-in that becomes the worker loop where Ray Train unpickles it: the driver
+        # never imports the worker module (torch, torch._dynamo).
+        WORKER_LOOP,
         train_loop_config={"run": run,
+                           "device": choice.device,
                            "controller": controller_name(run_id),
                            "cache": {node: cache_name(run_id, node) for node in cache} or None,
                            "run_dir": str(run_dir.resolve()),

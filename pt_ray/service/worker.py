@@ -77,10 +77,11 @@ def _worker_faults(fault: Faults | None, controller_name: str):
     return at_step
 
 
-def _device(pipeline: PipelineConfig) -> torch.device:
-    """The worker's device: the GPU Ray Train assigned it when the driver chose GPUs
-    (``pipeline.use_gpu`` arrives resolved to true or false), else the CPU."""
-    if pipeline.use_gpu is True:
+def _device(chosen: str) -> torch.device:
+    """The worker's device from the driver's choice (``chosen``: ``cuda`` or ``cpu``, the
+    :class:`pt_ray.core.devices.DeviceChoice` shipped in the worker config; the worker does not
+    decide again): the GPU Ray Train assigned it on ``cuda``, else the CPU."""
+    if chosen == "cuda":
         # Ray Train shares CUDA_VISIBLE_DEVICES among a node's workers and maps each to its
         # own GPU; its TorchConfig has already made that the current device.
         return ray.train.torch.get_device()
@@ -190,7 +191,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function.
 
     Args:
-        config: ``{"run": RunConfig as a dict, "controller": actor name, "cache": the cache
+        config: ``{"run": RunConfig as a dict, "device": the driver's device choice
+            (``cuda`` or ``cpu``), "controller": actor name, "cache": the cache
             actor's name or None, "resume_from": the checkpoint folder of a stopped run to
             continue, or None, "run_dir": the run folder (rank 0 writes the live
             ``logging.every_steps`` TensorBoard scalars into its ``tensorboard``)}``.
@@ -208,7 +210,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     built_model = time.time()
     controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s,
                                checkpoints_after=cfg.checkpoints_after)
-    device = _device(cfg.pipeline)
+    device = _device(config["device"])
     store = RayStore(config["cache"]) if config.get("cache") else None
     # Rank 0 shows each epoch's progress (plain lines: a Ray worker's stdout is no terminal).
     progress = RunProgress(
