@@ -234,6 +234,8 @@ def run_arm(arm: str, repeat: int, config: Any, overrides: list[str], out: Path,
             startup, trials = summary.get("startup", {}), summary.get("start_trials", [])
     outer = time.perf_counter() - t0
     end = time.time()
+    if arm != "peer":  # report.png draws in its own process: off the call, not the next arm
+        result.wait_for_report()
     epoch_sum = sum(r["epoch_time_s"] for r in timeline)
     trans_sum = sum(r["transition_time_s"] for r in timeline)
     eval_sum = sum(r.get("eval_time_s", 0.0) for r in timeline)
@@ -449,7 +451,6 @@ def _run_arms(args: argparse.Namespace, config: Path, overrides: list[str], cfg:
         start_ray(max(int(-(-need // 1)), 1), args.object_store_mb, args.verbose)
         started = True
         import pt_ray.service.trainer  # noqa: F401  (imports paid here, not by the first arm)
-    import matplotlib.figure  # noqa: F401  (pt-ray's report.png: the same for its first arm)
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     cold: dict[str, dict] = {}
     try:
