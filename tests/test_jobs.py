@@ -357,6 +357,7 @@ def test_two_submitted_jobs_with_the_cache_on_each_end_on_their_reference_and_le
     """
     from pt_ray.models.base import iter_layers
     from pt_ray.runtime.reference import build_reference
+    from pt_ray.service.settings import run_settings
     from test_ray_engine import max_difference, tiny_config
 
     head = ray_head_for_two
@@ -396,8 +397,8 @@ def test_two_submitted_jobs_with_the_cache_on_each_end_on_their_reference_and_le
 
     references = {}
     for name, seed, _ in jobs.values():
-        trainer = build_reference(tiny_config(tmp_path / f"{name}-ref", name=name,
-                                              engine="reference", seed=seed))
+        cfg = tiny_config(tmp_path / f"{name}-ref", name=name, engine="reference", seed=seed)
+        trainer = build_reference(run_settings(cfg).reference)
         trainer.fit()
         references[name] = {layer: {k: v.clone() for k, v in m.state_dict().items()}
                             for layer, m in iter_layers(trainer.adapter)}
