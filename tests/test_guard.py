@@ -96,7 +96,7 @@ def test_a_verdict_against_a_freeze_from_before_a_resize_keeps_it_and_says_so(ca
     resized = _control(rollback=True, workers=1)
     plan = resized.resume(saved, 2)
     assert (plan.num_workers, plan.num_frozen, resized.verdicts.resized_at) == (1, 3, 2)
-    with caplog.at_level("WARNING", logger="pt_ray.control.state"):
+    with caplog.at_level("WARNING", logger="pt_ray.control"):
         kept = _epoch_end(resized, 2, _rec(2, 3, 0.80))
     assert kept.rollback_to is None and kept.num_frozen == 3
     assert resized.guard.stopped and resized.rollbacks == []

@@ -19,7 +19,7 @@ from pt_ray.reporting.summary import EpochRecord
 
 __all__ = ["VerdictActions"]
 
-logger = logging.getLogger("pt_ray.control.state")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """A run's ``report.png`` rendered in a process of its own, so that ``fit`` returns once the
 model and the summary are written.
 
-Drawing the report takes about a second and a half of CPU (importing matplotlib, laying out four
-panels, encoding the PNG), which used to come after the last step of every run. ``fit`` now
-starts ``python -m pt_ray.reporting.report_process SUMMARY PNG`` as soon as ``summary.json``
-is written; it draws while the driver exports the model and shuts Ray down, and outlives the
+Drawing the report (importing matplotlib, laying out four panels, encoding the PNG) is CPU
+work the caller need not wait for. ``fit`` starts
+``python -m pt_ray.reporting.report_process SUMMARY PNG`` as soon as ``summary.json`` is
+written; it draws while the driver exports the model and shuts Ray down, and outlives the
 call (its own session: an interrupt of the caller does not stop it). A failure never reaches
 the run: the process writes its reason into ``report.error.txt`` beside the PNG and logs one
 line. :func:`wait_for_reports` waits, bounded, for the processes this one started (the
