@@ -95,15 +95,35 @@ def test_worker_step_reports_reach_ray_train_on_every_rank_and_tensorboard_from_
     assert [s for s, _ in scalars["step/loss"]] == list(range(5, 201, 5))
 
 
+@pytest.fixture
+def own_driver():
+    """A cluster, and this process's connection to it, started for this test alone (a session
+    cluster that was up is started again and left up). The terminal check reads what Ray's
+    driver forwards from the workers: after half an hour of other tests on one connection, the
+    CI saw none of a run's lines arrive within a minute, while the same test passed after any
+    one other module; this test reads a connection with no history."""
+    import ray
+    from conftest import SESSION_RAY
+
+    was_up = ray.is_initialized()
+    if was_up:
+        ray.shutdown()
+    ray.init(**SESSION_RAY)
+    yield
+    if not was_up:
+        ray.shutdown()
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_ray_run_reports_steps_while_it_runs_and_prints_pt_ray_lines_only(tmp_path, capfd):
+def test_ray_run_reports_steps_while_it_runs_and_prints_pt_ray_lines_only(tmp_path, capfd,
+                                                                            own_driver):
     """every_steps=5 on Ray Train (K 2, then K 1 x R 2): rank 0's live event file holds the
     step losses at 5, 10, 15, 20, equal to the reference trainer's; the per-epoch scalars sit
     beside them; the terminal shows pt-ray's epoch lines and none of Ray Train's reports.
 
-    ``fit`` attaches to the session's cluster when one is up, else starts its own and shuts it
-    down (tests/test_api.py checks that no cluster is left over)."""
+    ``fit`` attaches to the cluster this test started (a cluster ``fit`` starts itself is shut
+    down when it returns, which could cut off the last lines Ray had yet to forward)."""
     import math
     import time
 
