@@ -161,3 +161,36 @@ def test_ray_run_reports_steps_while_it_runs_and_prints_pt_ray_lines_only(tmp_pa
     for ray_train_line in ("Reporting training result", "TrainingReport", "'train_loss'",
                            "'global_step'"):
         assert ray_train_line not in out
+
+
+@pytest.mark.unit
+def test_epoch_lines_of_two_processes_both_reach_the_driver_at_once():
+    """Ray's driver merges lines that differ only in their numbers when two processes print
+    them within a few seconds (two trials of a sweep, two runs on one cluster); pt-ray's epoch
+    lines are exempt in any driver that started or attached through ``ensure_ray``."""
+    from ray._private import ray_logging
+
+    from pt_ray.service.trainer import keep_epoch_lines
+
+    def batch(pid, line):
+        return {"ip": "10.0.0.1", "pid": pid, "job": "01000000", "is_err": False,
+                "lines": [line], "actor_name": "RayTrainWorker", "task_name": None}
+
+    trial_a = "epoch   1/3  loss 2.2943  accuracy 0.3164  frozen  0/4  K 2 R 1 M 8"
+    trial_b = "epoch   1/3  loss 2.1007  accuracy 0.3550  frozen  0/4  K 2 R 1 M 8"
+    # Ray's de-duplicator without an exempt pattern: the second trial's line is held back.
+    plain = ray_logging.LogDeduplicator(5, None, None)
+    plain.deduplicate(batch(1013, trial_a))
+    assert plain.deduplicate(batch(1380, trial_b))[0]["lines"] == []
+
+    keep_epoch_lines()
+    keep_epoch_lines()  # idempotent
+    for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+        assert dedup.allow_re.pattern.count("epoch") == 1
+    # The first batch returned holds what this batch shows now (later ones: held lines due).
+    shown = [ray_logging.stdout_deduplicator.deduplicate(batch(pid, line))[0]["lines"]
+             for pid, line in ((1013, trial_a), (1380, trial_b))]
+    assert shown == [[trial_a], [trial_b]]
+    # Other lines are still merged: a user's chatter from two processes shows once at first.
+    chatter = "loaded shard 3 of 8"
+    assert ray_logging.stdout_deduplicator.allow_re.search(chatter) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -44,7 +45,8 @@ from pt_ray.service.loop import WORKER_LOOP
 from pt_ray.reporting.files import write_text_atomically
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["RayRun", "cluster_devices", "ensure_ray", "run_on_ray"]
+__all__ = ["EPOCH_LINES", "RayRun", "cluster_devices", "ensure_ray", "keep_epoch_lines",
+           "run_on_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +79,34 @@ def starts_embedded() -> bool:
     return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
 
+# pt-ray's epoch lines: rank 0's "epoch   3/10  loss ..." and the controller's "epoch 3: frozen
+# ...". Ray's driver merges worker lines that differ only in their numbers when they come from
+# different processes within a few seconds: it shows one as "[repeated 4x across cluster]" and
+# holds the others until more output arrives, so the trials of a sweep, or two runs on one
+# cluster, would hide each other's epochs, and a run's last line could wait for the next run.
+EPOCH_LINES = r"^epoch +\d+"
+
+
+def keep_epoch_lines() -> None:
+    """Exempt pt-ray's epoch lines (:data:`EPOCH_LINES`) from Ray's merging of repeated worker
+    output in this driver, beside any pattern ``RAY_DEDUP_LOGS_ALLOW_REGEX`` already gives
+    (idempotent). Ray 2.60 compiles that variable once, when ``ray`` is imported, into the
+    driver's two de-duplicators; the pattern is extended there, whatever imported Ray first."""
+    from ray._private import ray_logging
+
+    for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+        allow = dedup.allow_re.pattern if dedup.allow_re is not None else ""
+        if EPOCH_LINES not in allow:
+            dedup.allow_re = re.compile(f"(?:{allow})|{EPOCH_LINES}" if allow else EPOCH_LINES)
+
+
 def ensure_ray(pipeline: PipelineConfig, cache: CacheConfig, min_cpus: float = 0.0) -> bool:
     """Attach to the cluster in ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or start an
     embedded local one sized for the run's ``pipeline`` (and for at least ``min_cpus`` logical
     CPUs, e.g. a Tune trial plus its run) with this host's :func:`local_gpus`, its object store
     and spill folder from the run's ``cache`` section. Returns True when this call started
-    Ray."""
+    Ray. Either way pt-ray's epoch lines reach this driver unmerged (:func:`keep_epoch_lines`)."""
+    keep_epoch_lines()
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
