@@ -364,11 +364,12 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
         assert choice is not None
         run = _train_reference(cfg.model_copy(update=choice.config_update(cfg.pipeline)),
                                choice.device, splits, adapter, run_dir, on_epoch)
-    else:  # the workers build their own; the export reuses the splits (and a real model)
+    else:  # the workers read the splits shipped (where they fit) and build their own model
         from pt_ray.service.trainer import run_on_ray
 
         ray_run = run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
-                             choice=choice, resume_from=resumed.checkpoint if resumed else None)
+                             choice=choice, resume_from=resumed.checkpoint if resumed else None,
+                             splits=splits)
         run = _train_on_ray(ray_run, on_epoch, resumed, preflight_s)
     wall = time.perf_counter() - t0
     cfg, extra, timeline = run.config, run.extra, run.timeline
@@ -496,7 +497,7 @@ def _train_on_ray(run: RayRun, on_epoch: Callable[[EpochRecord], None] | None,
     extra: dict[str, Any] = {"engine": run.config.engine}
     extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
                  decisions=run.decisions, restarts=run.restarts, cache=run.cache,
-                 rollbacks=run.rollbacks, start_trials=run.start_trials,
+                 rollbacks=run.rollbacks, start_trials=run.start_trials, data=run.data,
                  # The driver's checks come before wall_time_s starts; the rest within it.
                  startup={"preflight_s": preflight_s, **run.startup})
     if resumed is not None:

@@ -4,6 +4,7 @@ report drawn in a process of its own that never fails the run."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import pt_ray.core.devices
+import pt_ray.data.registry
 import pt_ray.runtime.build
 from pt_ray.api import fit, preflight
 from pt_ray.core.config import ConfigError, build_config
@@ -34,11 +36,13 @@ def tiny_config(tmp_path, engine, **extra):
 
 @pytest.fixture
 def driver_counts(monkeypatch):
-    """Counts, in this process only, the device choices and the model builds by where their
-    parameters are (``meta`` or a real device), wherever a module bound the functions."""
+    """Counts, in this process only, the device choices, the dataset builds and the model
+    builds by where their parameters are (``meta`` or a real device), wherever a module bound
+    the functions."""
     counts: Counter[str] = Counter()
     choose = pt_ray.core.devices.choose_devices
     build = pt_ray.runtime.build.build_adapter
+    build_data = pt_ray.data.registry.build_dataset
 
     def counted_choose(*args, **kwargs):
         counts["device choices"] += 1
@@ -50,10 +54,15 @@ def driver_counts(monkeypatch):
         counts["meta builds" if meta else "full builds"] += 1
         return adapter
 
+    def counted_build_data(*args, **kwargs):
+        counts["dataset builds"] += 1
+        return build_data(*args, **kwargs)
+
     for name, module in list(sys.modules.items()):
         if name.startswith("pt_ray") and module is not None:
             for attr, original, counted in (("choose_devices", choose, counted_choose),
-                                            ("build_adapter", build, counted_build)):
+                                            ("build_adapter", build, counted_build),
+                                            ("build_dataset", build_data, counted_build_data)):
                 if getattr(module, attr, None) is original:
                     monkeypatch.setattr(module, attr, counted)
     return counts
@@ -63,7 +72,7 @@ def driver_counts(monkeypatch):
 def test_the_reference_engine_chooses_once_builds_once_and_exports_that_model(
         tmp_path, driver_counts):
     result = fit(tiny_config(tmp_path, "reference"))
-    assert driver_counts == {"device choices": 1, "full builds": 1}
+    assert driver_counts == {"device choices": 1, "dataset builds": 1, "full builds": 1}
     assert (result.run_dir / "model" / "config.json").is_file()
     # The report comes from a process of its own: bounded wait, then the file is there.
     assert result.wait_for_report(timeout_s=120) == result.run_dir / "report.png"
@@ -73,7 +82,7 @@ def test_the_reference_engine_chooses_once_builds_once_and_exports_that_model(
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_the_ray_engine_driver_chooses_once_and_builds_only_the_export(
+def test_the_ray_engine_driver_chooses_once_builds_the_data_once_and_the_model_for_the_export(
         ray_cluster, tmp_path, driver_counts):
     result = fit(tiny_config(tmp_path, "ray", logging={"report": False}))
     # The preflight's build holds shapes only; the export loads the last checkpoint into the
@@ -82,6 +91,11 @@ def test_the_ray_engine_driver_chooses_once_and_builds_only_the_export(
     assert driver_counts["meta builds"] == 1
     assert driver_counts["device choices"] == 1
     assert (result.run_dir / "model" / "config.json").is_file()
+    # The dataset is built once, here: the workers read the preflight's from the object store.
+    assert driver_counts["dataset builds"] == 1
+    data = json.loads((result.run_dir / "summary.json").read_text())["data"]
+    assert data["read_by_workers"] is True
+    assert data["shipped_bytes"] > 64 * 3 * 8 * 8  # the 64 training images at least
 
 
 @pytest.mark.unit

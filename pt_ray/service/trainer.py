@@ -30,6 +30,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from pt_ray.core.config import CacheConfig, PipelineConfig, RunConfig
 from pt_ray.core.devices import DeviceChoice, choose_devices
 from pt_ray.core.placement import ClusterView, demand_for
+from pt_ray.data.base import DatasetSplits
 from pt_ray.cache.policy import may_turn_on
 from pt_ray.cache.size import resolve_cache_sizes
 from pt_ray.cache.owners import (
@@ -40,6 +41,7 @@ from pt_ray.cache.owners import (
     store_capacities,
 )
 from pt_ray.service.controller import ControllerActor, controller_name
+from pt_ray.service.shipped import ship_splits
 from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.loop import WORKER_LOOP
 from pt_ray.reporting.files import write_text_atomically
@@ -190,6 +192,9 @@ class RayRun:
             when the controller lost them in a restart.
         start_trials: the first layouts timed at the start (``pipeline.start_trial_margin``),
             each predicted and measured; empty when the prediction alone chose.
+        data: how the workers got the dataset: ``shipped_bytes`` (the estimated size the
+            driver put into the object store; 0: each worker read the files) and
+            ``read_by_workers`` (rank 0 of the last worker group read the shipped one).
     """
 
     timeline: list[EpochRecord]
@@ -204,6 +209,7 @@ class RayRun:
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     startup: dict[str, float] = field(default_factory=dict)
     start_trials: list[dict[str, Any]] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 def cluster_devices(pipeline: PipelineConfig, engine: str, precision: str) -> DeviceChoice:
@@ -228,6 +234,7 @@ def run_on_ray(
     config_file: Path | None = None,
     choice: DeviceChoice | None = None,
     resume_from: Path | None = None,
+    splits: DatasetSplits | None = None,
 ) -> RayRun:
     """Run ``cfg`` on Ray Train with one worker per device and a named controller actor.
 
@@ -243,6 +250,9 @@ def run_on_ray(
         resume_from: a stopped run's checkpoint folder to continue from (its parameters,
             optimizer state, freeze state, plan, controller timeline, data position and RNG
             state), on this run's number of workers.
+        splits: the dataset the driver built from ``cfg.data`` (its preflight's): shipped to
+            the workers through the object store where it fits (:mod:`pt_ray.service.shipped`),
+            so that they do not read and tokenise the files again (None: each worker builds).
 
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs; raised
@@ -274,7 +284,10 @@ def run_on_ray(
                 update={"cache": resolve_cache_sizes(cfg.cache, store_capacities())})
         if config_file is not None:
             write_text_atomically(config_file, cfg.to_yaml())
-        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch)
+        shipped, shipped_bytes = (None, 0) if splits is None else ship_splits(
+            splits, store_capacities())
+        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch,
+                    _Shipped(shipped, shipped_bytes))
     finally:
         if started:
             ray.shutdown()
@@ -311,9 +324,11 @@ def _train_env(placement_timeout_s: float, watch_preemption: bool) -> Iterator[N
 
 def _trainer(p: PipelineConfig, run: dict[str, Any], choice: DeviceChoice, run_dir: Path,
              run_id: str, cache: dict[str, Any], worker_env: dict[str, str], autoscaler: bool,
-             resume_from: Path | None) -> tuple[TorchTrainer, int | tuple[int, int]]:
+             resume_from: Path | None, splits: Any = None
+             ) -> tuple[TorchTrainer, int | tuple[int, int]]:
     """Ray Train's trainer for the run (``run``: its config as a dict, ``p`` its ``pipeline``
-    section), and its worker count (a range with ``pipeline.min_workers``)."""
+    section; ``splits``: the shipped dataset's object reference, or None), and its worker
+    count (a range with ``pipeline.min_workers``)."""
     use_gpu = choice.use_gpu
     workers: int | tuple[int, int] = (
         p.num_workers if p.min_workers is None else (p.min_workers, p.num_workers)
@@ -327,7 +342,8 @@ def _trainer(p: PipelineConfig, run: dict[str, Any], choice: DeviceChoice, run_d
                            "controller": controller_name(run_id),
                            "cache": {node: cache_name(run_id, node) for node in cache} or None,
                            "run_dir": str(run_dir.resolve()),
-                           "resume_from": str(resume_from) if resume_from else None},
+                           "resume_from": str(resume_from) if resume_from else None,
+                           "splits": splits},
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=use_gpu,
@@ -355,9 +371,18 @@ def _trainer(p: PipelineConfig, run: dict[str, Any], choice: DeviceChoice, run_d
     return trainer, workers
 
 
+@dataclass(frozen=True)
+class _Shipped:
+    """The dataset shipped to the workers: its object reference (None: each worker builds its
+    own) and estimated size."""
+
+    ref: Any = None
+    bytes: int = 0
+
+
 def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
          autoscaler: bool = False, resume_from: Path | None = None,
-         watch_preemption: bool = True) -> RayRun:
+         watch_preemption: bool = True, shipped: _Shipped = _Shipped()) -> RayRun:
     p, run = cfg.pipeline, cfg.model_dump(mode="json")
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     # A lost controller comes back (Ray restarts it) and restores itself from the latest
@@ -373,7 +398,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)
     use_gpu = choice.use_gpu
     trainer, workers = _trainer(p, run, choice, run_dir, run_id, cache, worker_env, autoscaler,
-                                resume_from)
+                                resume_from, shipped.ref)
     logger.info("run %s: %s workers (%s, %s) on Ray Train", run_id, workers,
                 "GPU" if use_gpu else "CPU", choice.backend)
     cache_report: dict[str, Any] = {}
@@ -404,10 +429,12 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     startup = dict(summary["startup"])
     if "entered_at" in startup:
         startup = {"worker_group_s": startup.pop("entered_at") - launched, **startup}
+    data = {"shipped_bytes": shipped.bytes,
+            "read_by_workers": bool(startup.pop("shipped_data", 0.0))}
     return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
                   run_id, summary["restarts"], cache_report, config=cfg, device=choice.device,
                   rollbacks=summary["rollbacks"], startup=startup,
-                  start_trials=summary.get("start_trials", []))
+                  start_trials=summary.get("start_trials", []), data=data)
 
 
 def _final_summary(controller: Any, result: Any) -> dict[str, Any]:

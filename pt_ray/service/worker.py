@@ -195,7 +195,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             (``cuda`` or ``cpu``), "controller": actor name, "cache": the cache
             actor's name or None, "resume_from": the checkpoint folder of a stopped run to
             continue, or None, "run_dir": the run folder (rank 0 writes the live
-            ``logging.every_steps`` TensorBoard scalars into its ``tensorboard``)}``.
+            ``logging.every_steps`` TensorBoard scalars into its ``tensorboard``), "splits":
+            the driver's dataset in the object store, or None (each worker builds it)}``.
     """
     entered = time.time()  # the driver's clock on one host; across hosts, as synced as theirs
     setup_logging()
@@ -204,7 +205,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(cfg.pipeline.cpus_per_worker)))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
+    # The driver's preflight built the dataset; where it fitted the object store, it is read
+    # there rather than from the files (tokenised again) on every worker.
+    shipped = config.get("splits")
+    splits = (ray.get(shipped) if shipped is not None
+              else build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights))
     built_data = time.time()
     adapter = build_model_for(cfg.model, cfg.seed, splits)
     built_model = time.time()
@@ -239,7 +244,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         # Where this worker's start-up went (the driver adds the worker group's start).
         controller.startup({"entered_at": entered, "dataset_s": built_data - entered,
                             "model_s": built_model - built_data,
-                            "setup_s": time.time() - built_model})
+                            "setup_s": time.time() - built_model,
+                            "shipped_data": float(shipped is not None)})
 
     epoch = first_epoch
     while epoch < cfg.epochs:
