@@ -279,7 +279,7 @@ def test_wordnet_senses_takes_minilm_and_the_debian_folder(tmp_path):
     assert (cfg.data.name, cfg.data.path, cfg.model.weights) == (
         "wordnet", finetune_data.WORDNET_DIR, accuracy_matrix.minilm_dir())
     assert (cfg.data.num_samples, cfg.data.seq_len, cfg.epochs, cfg.data.parts_of_speech) == (
-        10000, 32, 3, ["noun"])
+        10000, 32, 5, ["noun"])
     assert cfg.model.depth is None and made.record == {}
 
 
