@@ -7,7 +7,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,8 @@ from pt_ray.core.config import (ConfigError, DataConfig, LoggingConfig, ModelCon
                                 PipelineConfig, RunConfig, build_config, layer_config,
                                 load_config)
 from pt_ray.core.datasets import DATASETS
-from pt_ray.reporting.summary import EpochRecord, format_epoch, read_summary, write_summary
+from pt_ray.reporting.summary import (EpochRecord, RunSummary, format_epoch, read_summary,
+                                      write_summary)
 from pt_ray.reporting.files import hold_run_folder, write_text_atomically
 
 if TYPE_CHECKING:
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from pt_ray.data.base import DatasetSplits
     from pt_ray.models.base import ModelAdapter
     from pt_ray.runtime.resume import ResumePoint
-    from pt_ray.service.trainer import RayRun
 
 __all__ = ["Result", "check_output_dir", "default_config_path", "fit", "preflight",
            "resolve_config"]
@@ -193,37 +193,63 @@ def _export_model(run_dir: Path, adapter: Any, checkpoint: str | None,
 
 @dataclass(frozen=True)
 class Result:
-    """What a run returns.
+    """What a run returns: the summary it wrote into ``run_dir/summary.json``, with its
+    configuration as a :class:`RunConfig`.
 
     Attributes:
+        summary: the run's :class:`pt_ray.reporting.summary.RunSummary`, as written (every
+            figure of the run: cache, start-up, start trials, ...).
         config: the resolved configuration (``pipeline.use_gpu`` and ``precision`` concrete).
-        timeline: one record per epoch.
-        metric_name: name of the eval metric.
-        final_eval_metric: the eval metric after the last epoch.
-        wall_time_s: wall time of the whole run (of this part of it, for a resumed run).
         run_dir: where ``config.yaml`` and ``summary.json`` were written, and the trained
             model in its library's own format (``model/``; :meth:`load_model` reads it).
             ``report.png`` (``logging.report``) is drawn there by a process of its own, which
             may still run when ``fit`` returns: :meth:`wait_for_report` waits for it.
-        checkpoint: the latest checkpoint directory (Ray engine), loadable with
-            ``pt_ray.runtime.checkpoint.load_layers``; None for the reference engine.
-        decisions: every freeze decision with its numbers and reason (Ray engine).
-        restarts: worker-group restarts from a checkpoint during the run.
-        rollbacks: the accuracy guard's rollbacks (``freeze.rollback``): the epoch whose
-            evaluation fell, the epoch returned to, the blocks frozen before and after, the
-            metric before and after, and the undone epochs' records.
+
+    The summary's main fields read directly: ``timeline`` (one record per epoch),
+    ``metric_name``, ``final_eval_metric`` (after the last epoch), ``wall_time_s`` (of the
+    whole run; of this part of it, for a resumed run), ``checkpoint`` (the latest checkpoint
+    folder on Ray, loadable with ``pt_ray.runtime.checkpoint.load_layers``; None for the
+    reference engine), ``decisions`` (every freeze decision with its numbers and reason, on
+    Ray), ``restarts`` (worker-group restarts from a checkpoint) and ``rollbacks`` (the
+    accuracy guard's: the epoch whose evaluation fell, the epoch returned to, the blocks
+    frozen before and after, the metric before and after, and the undone epochs' records).
     """
 
+    summary: RunSummary
     config: RunConfig
-    timeline: list[EpochRecord]
-    metric_name: str
-    final_eval_metric: float
-    wall_time_s: float
     run_dir: Path
-    checkpoint: str | None = None
-    decisions: list[dict[str, Any]] = field(default_factory=list)
-    restarts: int = 0
-    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def timeline(self) -> list[EpochRecord]:
+        return self.summary.timeline
+
+    @property
+    def metric_name(self) -> str:
+        return self.summary.metric_name
+
+    @property
+    def final_eval_metric(self) -> float:
+        return self.summary.timeline[-1].eval_metric
+
+    @property
+    def wall_time_s(self) -> float:
+        return self.summary.wall_time_s or 0.0
+
+    @property
+    def checkpoint(self) -> str | None:
+        return self.summary.checkpoint
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        return self.summary.decisions
+
+    @property
+    def restarts(self) -> int:
+        return self.summary.restarts
+
+    @property
+    def rollbacks(self) -> list[dict[str, Any]]:
+        return self.summary.rollbacks
 
     def load_model(self) -> Any:
         """The trained model as a plain timm or transformers model, in eval mode, read from the
@@ -360,35 +386,26 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
     written once devices and precision are resolved, before any worker starts."""
     # The reference run's time counts building its dataset and model, as the Ray workers' does.
     t0 = built_from if cfg.engine == "reference" else time.perf_counter()
+    trained = None  # the reference trainer's model; on Ray the parameters are in shards
     if cfg.engine == "reference":
         assert choice is not None
-        run = _train_reference(cfg.model_copy(update=choice.config_update(cfg.pipeline)),
-                               choice.device, splits, adapter, run_dir, on_epoch)
+        cfg = cfg.model_copy(update=choice.config_update(cfg.pipeline))
+        summary, trained = _train_reference(cfg, choice.device, splits, adapter, run_dir,
+                                            on_epoch)
     else:  # the workers read the splits shipped (where they fit) and build their own model
         from pt_ray.service.trainer import run_on_ray
 
-        ray_run = run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
+        summary = run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
                              choice=choice, resume_from=resumed.checkpoint if resumed else None,
                              splits=splits)
-        run = _train_on_ray(ray_run, on_epoch, resumed, preflight_s)
-    wall = time.perf_counter() - t0
-    cfg, extra, timeline = run.config, run.extra, run.timeline
-    summary = write_summary(
-        run_dir / "summary.json",
-        wall_time_s=wall,
-        metric_name=run.metric_name,
-        timeline=timeline,
-        config=cfg.model_dump(mode="json"),
-        device=run.device,
-        precision=cfg.precision,
-        extra=extra,
-    )
-    _write_extras(cfg.logging, summary, run_dir)
-    _export_model(run_dir, run.trained, extra.get("checkpoint"), summary, model=cfg.model,
+        cfg = RunConfig.model_validate(summary.config)  # as the workers ran it
+        summary = _ray_summary(summary, on_epoch, resumed, preflight_s)
+    summary = summary.model_copy(update={"wall_time_s": time.perf_counter() - t0})
+    written = write_summary(run_dir / "summary.json", summary)
+    _write_extras(cfg.logging, written, run_dir)
+    _export_model(run_dir, trained, summary.checkpoint, written, model=cfg.model,
                   data=cfg.data, seed=cfg.seed, name=cfg.name, splits=splits, built=adapter)
-    return Result(cfg, timeline, run.metric_name, timeline[-1].eval_metric, wall, run_dir,
-                  checkpoint=extra.get("checkpoint"), decisions=extra.get("decisions", []),
-                  restarts=extra.get("restarts", 0), rollbacks=extra.get("rollbacks", []))
+    return Result(summary, cfg, run_dir)
 
 
 def _write_tables(data: DataConfig, run_dir: Path, train_data: Any,
@@ -438,23 +455,12 @@ def _early_device_choice(engine: str, pipeline: PipelineConfig,
     return choice
 
 
-@dataclass(frozen=True)
-class _Trained:
-    """What an engine's training hands back to :func:`fit` for the summary and the export."""
-
-    config: RunConfig
-    device: str
-    metric_name: str
-    timeline: list[EpochRecord]
-    extra: dict[str, Any]
-    trained: Any = None  # the reference trainer's adapter; None: the parameters are in shards
-
-
 def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter: ModelAdapter,
-                     run_dir: Path, on_epoch: Callable[[EpochRecord], None] | None) -> _Trained:
+                     run_dir: Path, on_epoch: Callable[[EpochRecord], None] | None
+                     ) -> tuple[RunSummary, ModelAdapter]:
     """Step 3 of :func:`fit` on the reference engine: train the preflight's dataset and model
     in this process (``cfg``: devices and precision resolved, written as ``config.yaml``
-    first)."""
+    first); returns the run's summary (without its wall time) and the trained model."""
     write_text_atomically(run_dir / "config.yaml", cfg.to_yaml())
     from pt_ray.runtime.reference import build_reference
     from pt_ray.service.settings import run_settings
@@ -482,25 +488,23 @@ def _train_reference(cfg: RunConfig, device: str, splits: DatasetSplits, adapter
             steps.close()
     rollbacks = [{**r, "discarded": [asdict(d) for d in trainer.discarded]}
                  for r in trainer.rollbacks]
-    return _Trained(cfg, device, metric_name, timeline,
-                    {"engine": cfg.engine, "rollbacks": rollbacks}, trained=trainer.adapter)
+    summary = RunSummary(timeline=timeline, metric_name=metric_name,
+                         config=cfg.model_dump(mode="json"), device=device,
+                         precision=cfg.precision, engine=cfg.engine, rollbacks=rollbacks)
+    return summary, trainer.adapter
 
 
-def _train_on_ray(run: RayRun, on_epoch: Callable[[EpochRecord], None] | None,
-                  resumed: ResumePoint | None, preflight_s: float) -> _Trained:
+def _ray_summary(summary: RunSummary, on_epoch: Callable[[EpochRecord], None] | None,
+                 resumed: ResumePoint | None, preflight_s: float) -> RunSummary:
     """Step 3 of :func:`fit` on Ray, once the workers have trained (and logged each epoch as
-    it ended): ``on_epoch`` sees the records at the end."""
+    it ended): ``on_epoch`` sees the records at the end; the summary gains the driver's
+    preflight time and, for a resumed run, where it resumed."""
     if on_epoch is not None:
-        for rec in run.timeline:
+        for rec in summary.timeline:
             on_epoch(rec)
-    assert run.config is not None  # run_on_ray's runs carry their resolved config
-    extra: dict[str, Any] = {"engine": run.config.engine}
-    extra.update(run_id=run.run_id, checkpoint=run.checkpoint_path,
-                 decisions=run.decisions, restarts=run.restarts, cache=run.cache,
-                 rollbacks=run.rollbacks, start_trials=run.start_trials, data=run.data,
-                 # The driver's checks come before wall_time_s starts; the rest within it.
-                 startup={"preflight_s": preflight_s, **run.startup})
+    # The driver's checks come before wall_time_s starts; the rest within it.
+    update: dict[str, Any] = {"startup": {"preflight_s": preflight_s, **summary.startup}}
     if resumed is not None:
-        extra["resumed_from"] = {"checkpoint": str(resumed.checkpoint),
-                                 "after_epoch": resumed.next_epoch}
-    return _Trained(run.config, run.device, run.metric_name, run.timeline, extra)
+        update["resumed_from"] = {"checkpoint": str(resumed.checkpoint),
+                                  "after_epoch": resumed.next_epoch}
+    return summary.model_copy(update=update)

@@ -215,7 +215,7 @@ def test_tiny_job_on_two_nodes_reads_locally_and_ends_on_the_reference(two_nodes
 
     reference = build_reference(run_settings(job(engine="reference")).reference)
     reference.fit()
-    layers, _ = load_layers(run.checkpoint_path, layer_names(4))
+    layers, _ = load_layers(run.checkpoint, layer_names(4))
     worst = max(float((layers[name]["params"][k] - v).abs().max())
                 for name, m in iter_layers(reference.adapter) for k, v in m.state_dict().items())
     assert worst <= 1e-4

@@ -221,7 +221,7 @@ def test_tiny_job_with_the_cache_hits_after_the_freeze_and_ends_on_the_reference
     # The driver sized the memo once and shipped it in the config (half the session's 256 MiB
     # store is under the 256 MiB floor).
     assert cfg.cache.worker_memo_bytes == "auto"
-    assert run.config.cache.worker_memo_bytes == 256 * 2**20
+    assert run.config["cache"]["worker_memo_bytes"] == 256 * 2**20
     layout = [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in run.timeline]
     # K may already be 1 at 2 frozen blocks (see test_ray_engine's replan test).
     assert layout[0] == (0, 2, 1) and layout[2:] == [(3, 1, 2)] * 2
@@ -236,7 +236,7 @@ def test_tiny_job_with_the_cache_hits_after_the_freeze_and_ends_on_the_reference
 
     reference = build_reference(run_settings(job(tmp_path, engine="reference")).reference)
     reference.fit()
-    layers, _ = load_layers(run.checkpoint_path, layer_names(4))
+    layers, _ = load_layers(run.checkpoint, layer_names(4))
     worst = max(float((layers[name]["params"][k] - v).abs().max())
                 for name, m in iter_layers(reference.adapter) for k, v in m.state_dict().items())
     assert worst <= 1e-4

@@ -27,7 +27,7 @@ TINY = [
 # Every field of RunSummary: a run writes them all (null, 0 or empty where its engine has none).
 SUMMARY_KEYS = {"wall_time_s", "epochs", "metric_name", "final_eval_metric", "timeline", "config",
                 "device", "precision", "engine", "run_id", "checkpoint", "decisions", "restarts",
-                "rollbacks", "startup", "start_trials", "resumed_from"}
+                "rollbacks", "startup", "start_trials", "resumed_from", "cache", "data"}
 RECORD_KEYS = {
     "epoch", "num_frozen", "num_layers", "pipeline_length", "num_replicas", "num_microbatches",
     "throughput_samples_per_s", "epoch_time_s", "transition_time_s", "cache_hit_rate",
@@ -54,6 +54,7 @@ def test_train_writes_resolved_config_and_summary(tmp_path, capsys, caplog):
     assert set(summary) == SUMMARY_KEYS
     assert summary["engine"] == "reference" and summary["run_id"] is None
     assert summary["rollbacks"] == []
+    assert summary["cache"] == {} and summary["data"] == {}  # Ray's figures only
     assert summary["engine"] == "reference"
     assert (summary["device"], summary["precision"]) == ("cpu", "fp32")
     assert summary["epochs"] == 2 and summary["metric_name"] == "accuracy"

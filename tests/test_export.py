@@ -24,7 +24,7 @@ from pt_ray.data.registry import build_dataset
 from pt_ray.models import build_adapter, forward_layers
 from pt_ray.models.export import export_model
 from pt_ray.models.vit import TimmViTAdapter
-from pt_ray.reporting.summary import write_summary
+from pt_ray.reporting.summary import RunSummary, write_summary
 
 
 VIT = {
@@ -211,9 +211,9 @@ def test_timm_model_without_its_create_arguments_is_refused(tmp_path):
 
 def _summary(run_dir: Path, engine: str, checkpoint: str | None = None) -> None:
     cfg = build_config({**VIT, "engine": engine})
-    write_summary(run_dir / "summary.json", wall_time_s=1.0, metric_name="accuracy",
-                  timeline=[], config=cfg.model_dump(mode="json"), device="cpu",
-                  precision="fp32", extra={"engine": engine, "checkpoint": checkpoint})
+    write_summary(run_dir / "summary.json", RunSummary(
+        wall_time_s=1.0, metric_name="accuracy", timeline=[], config=cfg.model_dump(mode="json"),
+        device="cpu", precision="fp32", engine=engine, checkpoint=checkpoint))
 
 
 @pytest.mark.unit

@@ -204,6 +204,13 @@ class RunSummary(BaseModel):
             predicted and measured samples per second (empty: the prediction alone chose).
         resumed_from: the checkpoint a resumed run continued and the epoch after which it
             resumed.
+        cache: the activation cache at the end of a run on Ray (bytes, objects, refused rows,
+            per node) and the object store's figures (spilled bytes, ...); empty when the
+            cache stayed off.
+        data: how a run's Ray workers got the dataset: ``shipped_bytes`` (what the driver put
+            into the object store; 0: each worker read the files) and ``read_by_workers``.
+
+    ``epochs`` and ``final_eval_metric`` follow from the timeline where not given.
     """
 
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
@@ -225,25 +232,19 @@ class RunSummary(BaseModel):
     startup: dict[str, float] = {}
     start_trials: list[dict[str, Any]] = []
     resumed_from: dict[str, Any] | None = None
+    cache: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.epochs is None:
+            self.epochs = len(self.timeline)
+        if self.final_eval_metric is None and self.timeline:
+            self.final_eval_metric = self.timeline[-1].eval_metric
 
 
-def write_summary(
-    path: Path,
-    *,
-    wall_time_s: float,
-    metric_name: str,
-    timeline: list[EpochRecord],
-    config: dict[str, Any],
-    device: str,
-    precision: str,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write ``summary.json`` (checked against :class:`RunSummary`) and return what was
-    written, as :func:`read_summary` returns it."""
-    summary = RunSummary(
-        wall_time_s=wall_time_s, epochs=len(timeline), metric_name=metric_name,
-        final_eval_metric=timeline[-1].eval_metric if timeline else None, timeline=timeline,
-        config=config, device=device, precision=precision, **(extra or {}))
+def write_summary(path: Path, summary: RunSummary) -> dict[str, Any]:
+    """Write ``summary`` as ``summary.json`` and return what was written, as
+    :func:`read_summary` returns it."""
     write_text_atomically(path, summary.model_dump_json(indent=2))
     return summary.model_dump()
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,9 @@ from pt_ray.service.shipped import ship_splits
 from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.loop import WORKER_LOOP
 from pt_ray.reporting.files import write_text_atomically
-from pt_ray.reporting.summary import EpochRecord
+from pt_ray.reporting.summary import EpochRecord, RunSummary
 
-__all__ = ["EPOCH_LINES", "RayRun", "cluster_devices", "ensure_ray", "keep_epoch_lines",
-           "run_on_ray"]
+__all__ = ["EPOCH_LINES", "cluster_devices", "ensure_ray", "keep_epoch_lines", "run_on_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,51 +166,6 @@ def ensure_ray(pipeline: PipelineConfig, cache: CacheConfig, min_cpus: float = 0
     return True
 
 
-@dataclass(frozen=True)
-class RayRun:
-    """What a run on Ray returns to the driver.
-
-    Attributes:
-        timeline: the controller's per-epoch records.
-        decisions: every freeze decision with its reason.
-        metric_name: the eval metric's name.
-        checkpoint_path: the latest checkpoint directory (shards + meta.json), if any.
-        run_id: the unique Ray Train run name.
-        restarts: worker-group restarts from a checkpoint during the run.
-        cache: the activation cache at the end (bytes, objects, refused rows, ...) and the
-            object store's figures (spilled bytes, ...); empty when the cache was off.
-        config: the configuration the workers ran, with ``pipeline.use_gpu`` and
-            ``precision`` resolved; None only for records made by hand.
-        device: ``cuda`` or ``cpu``.
-        rollbacks: the accuracy guard's rollbacks (epoch, epoch returned to, blocks frozen
-            before and after, the metric before and after, and the undone epochs' records).
-        startup: where the start-up went, in seconds: ``worker_group_s`` (from
-            ``TorchTrainer.fit()`` until rank 0's worker function began: Ray Train's
-            controller, placement and worker processes), then rank 0's ``dataset_s``,
-            ``model_s`` and ``setup_s`` (controller set-up, profiling, the first plan); empty
-            when the controller lost them in a restart.
-        start_trials: the first layouts timed at the start (``pipeline.start_trial_margin``),
-            each predicted and measured; empty when the prediction alone chose.
-        data: how the workers got the dataset: ``shipped_bytes`` (the estimated size the
-            driver put into the object store; 0: each worker read the files) and
-            ``read_by_workers`` (rank 0 of the last worker group read the shipped one).
-    """
-
-    timeline: list[EpochRecord]
-    decisions: list[dict[str, Any]]
-    metric_name: str
-    checkpoint_path: str | None
-    run_id: str
-    restarts: int
-    cache: dict[str, Any] = field(default_factory=dict)
-    config: RunConfig | None = None
-    device: str = "cpu"
-    rollbacks: list[dict[str, Any]] = field(default_factory=list)
-    startup: dict[str, float] = field(default_factory=dict)
-    start_trials: list[dict[str, Any]] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)
-
-
 def cluster_devices(pipeline: PipelineConfig, engine: str, precision: str) -> DeviceChoice:
     """Decide a run's devices and precision (from its ``pipeline`` section, ``engine`` and
     ``precision``) from the GPUs of the cluster the run will use (the connected one, or the
@@ -235,8 +189,15 @@ def run_on_ray(
     choice: DeviceChoice | None = None,
     resume_from: Path | None = None,
     splits: DatasetSplits | None = None,
-) -> RayRun:
-    """Run ``cfg`` on Ray Train with one worker per device and a named controller actor.
+) -> RunSummary:
+    """Run ``cfg`` on Ray Train with one worker per device and a named controller actor, and
+    return the run's summary: the controller's timeline, decisions and rollbacks, the
+    configuration the workers ran (``pipeline.use_gpu``, ``precision`` and the cache sizes
+    resolved), the last checkpoint, the cache's and the dataset's figures (``cache``,
+    ``data``) and where the start-up went (``startup``: ``worker_group_s``, from
+    ``TorchTrainer.fit()`` until rank 0's worker function began, then rank 0's ``dataset_s``,
+    ``model_s`` and ``setup_s``; empty when the controller lost them in a restart). The
+    caller adds the wall time.
 
     Args:
         cfg: the validated run configuration.
@@ -382,7 +343,7 @@ class _Shipped:
 
 def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[str, str],
          autoscaler: bool = False, resume_from: Path | None = None,
-         watch_preemption: bool = True, shipped: _Shipped = _Shipped()) -> RayRun:
+         watch_preemption: bool = True, shipped: _Shipped = _Shipped()) -> RunSummary:
     p, run = cfg.pipeline, cfg.model_dump(mode="json")
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     # A lost controller comes back (Ray restarts it) and restores itself from the latest
@@ -431,10 +392,12 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         startup = {"worker_group_s": startup.pop("entered_at") - launched, **startup}
     data = {"shipped_bytes": shipped.bytes,
             "read_by_workers": bool(startup.pop("shipped_data", 0.0))}
-    return RayRun(summary["timeline"], summary["decisions"], summary["metric_name"], checkpoint,
-                  run_id, summary["restarts"], cache_report, config=cfg, device=choice.device,
-                  rollbacks=summary["rollbacks"], startup=startup,
-                  start_trials=summary.get("start_trials", []), data=data)
+    return RunSummary(
+        timeline=summary["timeline"], metric_name=summary["metric_name"],
+        config=cfg.model_dump(mode="json"), device=choice.device, precision=cfg.precision,
+        engine="ray", run_id=run_id, checkpoint=checkpoint, decisions=summary["decisions"],
+        restarts=summary["restarts"], rollbacks=summary["rollbacks"], startup=startup,
+        start_trials=summary.get("start_trials", []), cache=cache_report, data=data)
 
 
 def _final_summary(controller: Any, result: Any) -> dict[str, Any]:
