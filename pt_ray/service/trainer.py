@@ -239,16 +239,16 @@ def run_on_ray(
             view = wait_for_room(demand_for(cfg.pipeline, choice.use_gpu),
                                  cfg.pipeline.placement_timeout_s)
             autoscaler, watch = view.autoscaler, watches_preemption(view)
+        # The nodes' object stores (one query): they size the cache and bound what ships.
+        capacities = store_capacities()
         if may_turn_on(cfg.cache, cfg.freeze):
             # Once, here: the controller's planner and every worker's memo read this figure.
-            cfg = cfg.model_copy(
-                update={"cache": resolve_cache_sizes(cfg.cache, store_capacities())})
+            cfg = cfg.model_copy(update={"cache": resolve_cache_sizes(cfg.cache, capacities)})
         if config_file is not None:
             write_text_atomically(config_file, cfg.to_yaml())
-        shipped, shipped_bytes = (None, 0) if splits is None else ship_splits(
-            splits, store_capacities())
+        shipped = _Shipped(*ship_splits(splits, capacities)) if splits is not None else _Shipped()
         return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch,
-                    _Shipped(shipped, shipped_bytes))
+                    shipped)
     finally:
         if started:
             ray.shutdown()
