@@ -11,6 +11,7 @@ import torch
 from pt_ray.core.config import build_config
 from pt_ray.data.registry import build_dataset
 from pt_ray.data.sampler import CacheBlocks, GlobalSampler, training_sampler
+from pt_ray.cache.rows import RowTable
 from pt_ray.cache.store import BlockLedger, InMemoryStore, from_numpy, to_numpy
 from pt_ray.cache.store import Segment, distinct_figures
 from pt_ray.cache.prefix import (
@@ -264,6 +265,37 @@ def test_prefix_cost_accounting_splits_reads_compute_and_writes(model):
     hit = prefix.reset()
     assert hit.compute_s == 0 and hit.write_s == 0 and hit.cost_s == hit.io_s > 0
     assert hit.uncached_s == pytest.approx(miss.uncached_s)
+
+
+def test_a_last_epoch_serves_what_is_cached_and_keeps_nothing_new(model):
+    """No epoch after the last reads its rows: with ``keeps_rows`` off, hits are served,
+    misses and advanced rows are computed right, and neither the store nor a tier gains a row."""
+    c, splits, adapter = model
+    blocks = CacheBlocks(len(splits.train), 8, seed=0)
+    tier = RowTable(len(splits.train), 10**6, torch.device("cpu"), name="host")
+    prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"), tiers=[tier])
+    order = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train)).epoch_order(0)
+    first, rest = order[:16], order[16:32]
+    run(prefix, splits, 2, first)                        # an earlier epoch caches 16 rows
+    prefix.flush_pending()
+    prefix.store.flush()
+    prefix.reset()
+    held = (prefix.store.stats().bytes, tier.used, tier.held(2))
+    assert held[0] > 0 and held[1:] == (16, 16)
+    prefix.keeps_rows = False
+    both = np.concatenate([first, rest])
+    for n in (2, 3):                                     # hits (n=2), advanced (n=3), misses
+        state, loaded = run(prefix, splits, n, both)
+        prefix.store.flush()
+        assert sorted(loaded) == sorted(rest.tolist())
+        want = plain_prefix(adapter, splits.train.batch(both.tolist()).inputs, n)
+        assert all(torch.equal(a, b) for a, b in zip(state, want))
+    prefix.flush_pending()
+    prefix.store.flush()
+    assert (prefix.store.stats().bytes, tier.used, tier.held(2), tier.held(3)) == (*held, 0)
+    counters = prefix.reset()
+    assert counters.write_s == 0 and counters.misses == 32
+    assert (counters.hits, counters.advanced) == (16, 16)
 
 
 class CountingStore(InMemoryStore):

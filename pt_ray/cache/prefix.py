@@ -12,7 +12,9 @@ each sample:
 
 The prefix runs in eval mode under ``no_grad`` and every row is independent of the others, so a
 hit is the output it replaces. Writes go behind (the store queues them); the blocks a step needs
-are looked up once.
+are looked up once. A row is read at the earliest in the epoch after the one that computed it
+(each sample comes once per epoch), so in a run's last epoch nothing is written
+(:attr:`CachedPrefix.keeps_rows`): those rows would only cost their writes.
 """
 
 from __future__ import annotations
@@ -164,6 +166,9 @@ class CachedPrefix:
         self._ahead_level: int | None = None  # depth of this epoch's read of every block
         self.total = CacheCounters()
         """Everything since the start (:meth:`reset` adds the epoch's counters here)."""
+        self.keeps_rows = True
+        """Whether rows computed now are kept (tiers and store). The engine turns this off for
+        the run's last epoch, where no later epoch reads them; what is cached is still served."""
         # Forward seconds per sample of the embedding (0) and of block i (i + 1): profiled,
         # until the prefix has run here (then seconds over samples of every run so far).
         self._profiled: dict[int, float] = {}
@@ -233,7 +238,7 @@ class CachedPrefix:
         for lv, (rows, state) in cached.items():
             if lv < n:  # advance through the blocks frozen since, then store the new depth
                 state = self._write(n, indices[rows], self._run(lv, n, state))
-            else:
+            elif self.keeps_rows:  # into a faster tier for the next epoch's read
                 self._hold(n, indices[rows], state)
             parts.append((rows, state))
         miss = np.flatnonzero(level == 0)
@@ -263,6 +268,8 @@ class CachedPrefix:
     def flush_pending(self) -> None:
         """Write to the store the rows computed into a tier since the last flush (once per
         epoch, off the step path: the other replicas read the epoch's rows in the next one)."""
+        if not self._pending:
+            return
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
         for n, ids in pending:
@@ -384,7 +391,10 @@ class CachedPrefix:
 
     def _write(self, n: int, ids: np.ndarray, state: State) -> State:
         """Keep the new rows ``state`` (samples ``ids``) at depth ``n``: in the tiers, stored
-        at the epoch's end; those no tier took, queued to the store now."""
+        at the epoch's end; those no tier took, queued to the store now. Nothing is kept while
+        :attr:`keeps_rows` is off."""
+        if not self.keeps_rows:
+            return state
         t0 = time.perf_counter()
         held = self._hold(n, ids, state) if self.tiers else np.zeros(0, dtype=np.int64)
         if len(held):

@@ -265,6 +265,8 @@ class ElasticWorker:
         set_epoch(self.splits.train, epoch)
         order = self.sampler.epoch_order(epoch)
         self.stepper.prefetch(self.sampler.epoch_batches(epoch, self._replicas_batch()))
+        if self.prefix is not None:  # no later epoch reads what the last one would cache
+            self.prefix.keeps_rows = epoch + 1 < self.settings.epochs
         offset, steps, since = 0, 0, 0  # since: steps since the last decision
         frozen_steps, loss_sum = 0, 0.0
         self.memory.start_epoch()
