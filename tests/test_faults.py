@@ -279,6 +279,45 @@ def test_calls_that_reach_a_restarted_empty_controller_restore_it_from_the_check
 
 @pytest.mark.ray
 @pytest.mark.timeout(120)
+def test_a_restarted_controller_asked_only_for_the_summary_restores_itself_from_the_checkpoint(
+        ray_cluster, tmp_path):
+    # The driver's way back is the workers' one: a controller restarted after the workers'
+    # last call restores itself from the checkpoint when asked for the summary, with what it
+    # was set up with and its start-up figures. A checkpoint that lacks them is named in a
+    # one-line error from the driver's collection.
+    import ray
+
+    from pt_ray.runtime.checkpoint import write_meta
+    from pt_ray.service.trainer import _final_summary
+
+    actor, handle = _controller_after_epoch_0(tmp_path / "a", "summary")
+    figures = {"entered_at": 1.0, "dataset_s": 0.25, "model_s": 0.5, "setup_s": 0.125}
+    handle.startup(figures)
+    meta = {"epoch": 0, "next_decision": 1, "num_shards": 0,
+            "controller": handle.checkpoint_state(1)}
+    folder = tmp_path / "a" / "ray" / "checkpoint_2026-12-01_00-00-00.000000"
+    write_meta(folder, meta)
+    _kill_and_wait_until_empty(actor)
+    summary = _final_summary(actor)
+    assert [r.epoch for r in summary["timeline"]] == [0]
+    assert summary["timeline"][0].train_loss == 1.0
+    assert summary["startup"] == figures and summary["metric_name"] == "accuracy"
+    assert summary["restarts"] == 0 and summary["decisions"] == meta["controller"]["decisions"]
+    assert handle.plan_for(1) == ray.get(actor.plan_for.remote(1))  # a whole state again
+    ray.kill(actor)
+
+    actor, handle = _controller_after_epoch_0(tmp_path / "b", "summary-old")
+    del meta["controller"]["actor"]  # a checkpoint without what the actor was set up with
+    write_meta(tmp_path / "b" / "ray" / "checkpoint_2026-12-01_00-00-00.000000", meta)
+    _kill_and_wait_until_empty(actor)
+    with pytest.raises(RuntimeError, match="could not restore .* does not hold what the "
+                                           "controller was set up with"):
+        _final_summary(actor)
+    ray.kill(actor)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
 def test_a_checkpoints_controller_state_asked_ahead_survives_a_lost_controller(
         ray_cluster, tmp_path):
     # Rank 0 asks for the state a checkpoint saves before writing its shard, and collects it

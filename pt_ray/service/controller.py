@@ -5,15 +5,20 @@ A thin asynchronous shell around :class:`pt_ray.control.state.ControlState`: it 
 all switch at the same step) and outlives worker restarts, because the driver owns it, not
 Ray Train's worker group.
 
-A controller that is lost comes back: Ray restarts the actor (``max_restarts``), empty, and the
-first worker whose call fails finds it again and has it restore itself from the run's latest
-complete checkpoint (:meth:`ControllerActor.recover`); rank 0 then replays what it had sent
-since that checkpoint (the epoch record and the norms, merged over the workers: no other rank
-sends any) and every worker retries its call, so training goes on without a worker-group
-restart. Lost before the first checkpoint, when the latest
-checkpoint was not taken at the start of the workers' current decision (what they sent since
-is gone), or not back within ``pipeline.collective_timeout_s``, the call fails and Ray Train
-restarts the worker group.
+A controller that is lost comes back: Ray restarts the actor (``max_restarts``), empty. It has
+one way back, whoever asks first: it restores itself from the run's latest complete checkpoint,
+which holds its whole state and what it was set up with (:meth:`ControllerActor._restore`).
+
+* A worker whose call fails finds it again and asks it to restore (:meth:`ControllerActor
+  .recover`); rank 0 then replays what it had sent since that checkpoint (the epoch record and
+  the norms, merged over the workers: no other rank sends any) and every worker retries its
+  call, so training goes on without a worker-group restart. Lost before the first checkpoint,
+  when the latest checkpoint was not taken at the start of the workers' current decision (what
+  they sent since is gone), or not back within ``pipeline.collective_timeout_s``, the call fails
+  and Ray Train restarts the worker group.
+* Lost after the workers' last call, it restores itself when the driver asks for the run's
+  summary (:meth:`ControllerActor.summary`): the last checkpoint is taken after the last
+  epoch's record.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ class ControllerActor:
         self.restarts = 0
         self.startup_figures: dict[str, float] = {}
         self.changed = asyncio.Condition()
-        # Set once a restarted actor has restored itself: the epoch its checkpoint holds.
+        # What the state was built with (build_control_state's arguments), saved with it.
+        self.built_with: dict[str, Any] = {}
+        # Set once a restarted actor has restored itself: the last epoch its checkpoint holds.
         self.recovered_after: int | None = None
 
     async def setup(
@@ -92,6 +99,11 @@ class ControllerActor:
             self.state = build_control_state(run_settings(self.cfg).control, num_layers,
                                              num_workers, steps_per_epoch, hardware,
                                              deterministic_transform)
+            self.built_with = {
+                "num_layers": num_layers, "num_workers": num_workers,
+                "steps_per_epoch": steps_per_epoch, "metric_name": metric_name,
+                "hardware": asdict(hardware) if isinstance(hardware, HardwareProfile)
+                else hardware, "deterministic_transform": deterministic_transform}
 
     def _state(self) -> ControlState:
         """The decision state; a restarted actor that has not been restored has none, which a
@@ -100,25 +112,39 @@ class ControllerActor:
             raise ControllerRestarted("the controller restarted and holds no state yet")
         return self.state
 
-    async def recover(self, setup_args: tuple, decision: int | None) -> int:
-        """Restore a restarted controller from the run's latest complete checkpoint (the first
-        caller restores; later ones get the same answer). Returns the last epoch the
-        checkpoint holds: what a worker sent about later epochs must be sent again.
+    async def recover(self, decision: int | None) -> int:
+        """A worker's way back to a restarted controller: restored from the run's latest
+        complete checkpoint (:meth:`_restore`; the first caller restores, later ones get the
+        same answer). Returns the last epoch the checkpoint holds: what a worker sent about
+        later epochs must be sent again.
 
         Args:
-            setup_args: :meth:`setup`'s arguments.
             decision: the decision whose plan the caller trains under. The checkpoint must
                 have been taken at its start: only then do the workers' resent records and
                 norms rebuild exactly what was lost (with ``checkpoint_every`` > 1, or
                 decisions every k steps, earlier inputs are gone).
 
         Raises:
-            RuntimeError: this actor holds state it did not restore (a worker group restarted
-                meanwhile and set it up again), no complete checkpoint exists, or it is older
-                than ``decision``'s start: the caller's worker group then restarts from the
+            RuntimeError: :meth:`_restore` cannot, or the checkpoint is older than
+                ``decision``'s start: the caller's worker group then restarts from the
                 checkpoint instead.
         """
-        if self.recovered_after is not None:
+        after = self._restore(decision)
+        await self._notify()
+        return after
+
+    def _restore(self, decision: int | None = None) -> int:
+        """Restore a restarted, empty actor from the run's latest complete checkpoint: the
+        state, what it was built with, the restarts and the start-up figures (the one path
+        back, whoever asks first). Returns the last epoch the checkpoint holds.
+
+        Raises:
+            RuntimeError: this actor holds state it did not restore (a worker group restarted
+                meanwhile and set it up again), no complete checkpoint exists, it predates
+                the saved build arguments, or (``decision`` given) it was not taken at that
+                decision's start.
+        """
+        if self.recovered_after is not None:  # the first caller's check stands for all
             return self.recovered_after
         if self.state is not None:
             raise RuntimeError("the controller was set up again since it restarted: "
@@ -133,18 +159,35 @@ class ControllerActor:
         if checkpoint is None:
             raise RuntimeError("the controller was lost before the run's first checkpoint")
         meta = read_meta(checkpoint)
+        saved = meta["controller"]
         if decision is not None and meta["next_decision"] != decision:
             raise RuntimeError(
                 f"the latest checkpoint ({checkpoint.name}) was taken at decision "
                 f"{meta['next_decision']}, not at decision {decision}'s start: the inputs "
                 "since are lost")
-        await self.setup(*setup_args)
-        self.state.resume(meta["controller"], meta["next_decision"])
+        if "actor" not in saved:
+            raise RuntimeError(f"the latest checkpoint ({checkpoint.name}) does not hold what "
+                               "the controller was set up with")
+        own = saved["actor"]
+        built = dict(own["built_with"])
+        if isinstance(built["hardware"], dict):
+            built["hardware"] = HardwareProfile(**built["hardware"])
+        self.metric_name = built.pop("metric_name")
+        self.state = build_control_state(run_settings(self.cfg).control, **built)
+        self.built_with = own["built_with"]
+        self.state.resume(saved, meta["next_decision"])
+        self.restarts, self.startup_figures = int(own["restarts"]), dict(own["startup"])
         self.recovered_after = int(meta["epoch"])
         logger.warning("controller restarted: state restored from %s (after epoch %d)",
                        checkpoint.name, self.recovered_after + 1)
-        await self._notify()
         return self.recovered_after
+
+    def _saved(self) -> dict[str, Any]:
+        """What a checkpoint saves of the controller: the decision state, and what
+        :meth:`_restore` needs beside it (under ``actor``)."""
+        return {**self._state().state_dict(),
+                "actor": {"built_with": self.built_with, "restarts": self.restarts,
+                          "startup": self.startup_figures}}
 
     async def submit_costs(self, rank: int, costs: CostTable) -> None:
         self._state().submit_costs(rank, costs)
@@ -177,7 +220,7 @@ class ControllerActor:
             self._state().record(rec)
         await self.submit_norms(decision, norms)
         plan = await self.plan_for(decision + 1)
-        return plan, self._state().state_dict() if with_state else None
+        return plan, self._saved() if with_state else None
 
     async def plan_for(self, decision: int) -> Plan:
         """The plan from ``decision`` on; waits until every rank's inputs are in."""
@@ -194,13 +237,13 @@ class ControllerActor:
         self.startup_figures = dict(figures)
 
     async def state_dict(self) -> dict[str, Any]:
-        return self._state().state_dict()
+        return self._saved()
 
     async def checkpoint_state(self, decision: int) -> dict[str, Any]:
         """The state a checkpoint saves, once ``decision`` is made (every rank's norms are
         in): :meth:`plan_for` and :meth:`state_dict` in one round trip."""
         await self.plan_for(decision)
-        return self._state().state_dict()
+        return self._saved()
 
     async def resume(self, state: dict[str, Any], next_decision: int,
                      restart: bool = True) -> Plan:
@@ -212,21 +255,22 @@ class ControllerActor:
         return plan
 
     async def timeline(self) -> list[EpochRecord]:
+        """The timeline this actor holds now (empty for a restarted one nobody restored)."""
         return list(self.state.timeline) if self.state else []
 
-    async def decisions(self) -> list[dict[str, Any]]:
-        return list(self.state.decisions) if self.state else []
-
     async def summary(self) -> dict[str, Any]:
-        """Timeline, decisions and the metric's name, for the driver at the end of a run;
-        ``holds_state`` is false for a restarted actor nobody restored (its lists are empty)."""
-        rollbacks = [{**r, "discarded": [asdict(d) for d in self.state.discarded]}
-                     for r in self.state.rollbacks] if self.state else []
-        return {"timeline": await self.timeline(), "decisions": await self.decisions(),
+        """Timeline, decisions, rollbacks, restarts and start-up, for the driver at the end of
+        a run. A controller restarted after the workers' last call restores itself first
+        (:meth:`_restore`; its ``RuntimeError`` says why it cannot)."""
+        if self.state is None:
+            self._restore()
+        state = self._state()
+        rollbacks = [{**r, "discarded": [asdict(d) for d in state.discarded]}
+                     for r in state.rollbacks]
+        return {"timeline": list(state.timeline), "decisions": list(state.decisions),
                 "metric_name": self.metric_name, "restarts": self.restarts,
                 "rollbacks": rollbacks, "startup": self.startup_figures,
-                "start_trials": list(self.state.start_trials) if self.state else [],
-                "holds_state": self.state is not None}
+                "start_trials": list(state.start_trials)}
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -255,7 +299,7 @@ class RayController:
         self.actor = ray.get_actor(name)
         self.timeout_s = timeout_s
         self.checkpoints_after = checkpoints_after or (lambda _epoch: False)
-        self._setup_args: tuple | None = None
+        self._set_up = False  # whether this worker has set the controller up
         self._record: EpochRecord | None = None  # rank 0's last record
         self._norms: tuple[int, dict[int, float]] | None = None  # rank 0's last norms
         self._decision: int | None = None  # the decision whose plan this worker trains under
@@ -275,12 +319,12 @@ class RayController:
     def _recover(self) -> None:
         """Wait for the restarted controller, have it restore itself, and send again what it
         lost (rank 0's record before the norms, as in a fault-free epoch)."""
-        if self._setup_args is None:
+        if not self._set_up:
             raise RuntimeError("the controller was lost before this worker set it up")
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                after = ray.get(self.actor.recover.remote(self._setup_args, self._decision),
+                after = ray.get(self.actor.recover.remote(self._decision),
                                 timeout=max(1.0, deadline - time.monotonic()))
                 break
             except ray.exceptions.RayActorError:
@@ -301,9 +345,9 @@ class RayController:
         hardware: str | HardwareProfile,
         deterministic_transform: bool = True,
     ) -> None:
-        self._setup_args = (num_layers, num_workers, steps_per_epoch, metric_name, hardware,
-                            deterministic_transform)
-        self._call("setup", *self._setup_args)
+        self._call("setup", num_layers, num_workers, steps_per_epoch, metric_name, hardware,
+                   deterministic_transform)
+        self._set_up = True
 
     def submit_costs(self, rank: int, costs: CostTable) -> None:
         self._call("submit_costs", rank, costs)

@@ -45,7 +45,7 @@ from pt_ray.service.shipped import ship_splits
 from pt_ray.service.placement import placement_failure, wait_for_room
 from pt_ray.service.loop import WORKER_LOOP
 from pt_ray.reporting.files import write_text_atomically
-from pt_ray.reporting.summary import EpochRecord, RunSummary
+from pt_ray.reporting.summary import RunSummary
 
 __all__ = ["EPOCH_LINES", "cluster_devices", "ensure_ray", "keep_epoch_lines", "run_on_ray"]
 
@@ -377,7 +377,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
             if failure is None:
                 raise
             raise failure from err
-        summary = _final_summary(controller, result)
+        summary = _final_summary(controller)
         if cache:
             cache_report = _cache_report(cache)
     finally:
@@ -400,38 +400,23 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
         start_trials=summary.get("start_trials", []), cache=cache_report, data=data)
 
 
-def _final_summary(controller: Any, result: Any) -> dict[str, Any]:
-    """The controller's summary at the end of a run, restored first where the controller lost
-    it: Ray restarts a killed controller empty, and when that happens after the workers' last
-    call, no worker restores it. The run's last checkpoint then holds the same timeline,
-    decisions and rollbacks (its controller state is taken after the last epoch's record).
+def _final_summary(controller: Any) -> dict[str, Any]:
+    """The controller's summary at the end of a run (a controller Ray restarted after the
+    workers' last call restores itself from the run's last checkpoint first).
 
     Raises:
-        RuntimeError: the controller lost its state and the run left no checkpoint (one line
-            that says so; training itself finished).
+        RuntimeError: the controller is gone for good, or restarted and cannot restore itself
+            (one line that says why; training itself finished).
     """
     try:
-        summary = ray.get(controller.summary.remote())
-    except ray.exceptions.RayActorError:
-        summary = None  # gone for good (its restarts used up)
-    if summary is not None and summary["holds_state"]:
-        return summary
-    if result.checkpoint is None:
-        raise RuntimeError("the controller was lost after training and the run left no "
-                           "checkpoint to read its timeline from")
-    from pt_ray.runtime.checkpoint import read_meta
-
-    state = read_meta(Path(result.checkpoint.path))["controller"]
-    logger.warning("the controller restarted after the workers' last call: the run's timeline "
-                   "comes from its last checkpoint, %s", Path(result.checkpoint.path).name)
-    return {"timeline": [EpochRecord.from_dict(r) for r in state["timeline"]],
-            "decisions": list(state["decisions"]),
-            "metric_name": (result.metrics or {}).get("metric_name", "accuracy"),
-            "restarts": summary["restarts"] if summary else 0,
-            "rollbacks": [{**r, "discarded": list(state["discarded"])}
-                          for r in state["rollbacks"]],
-            "startup": summary["startup"] if summary else {},
-            "start_trials": list(state.get("start_trials", []))}
+        return ray.get(controller.summary.remote())
+    except ray.exceptions.RayActorError as err:
+        raise RuntimeError("the controller was lost after training and did not come back: "
+                           "the run's checkpoints hold its models, but no summary was "
+                           "written") from err
+    except ray.exceptions.RayTaskError as err:
+        raise RuntimeError(f"the controller restarted after training and could not restore "
+                           f"the run's timeline: {err.cause}") from err
 
 
 def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:
