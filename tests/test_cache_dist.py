@@ -81,6 +81,10 @@ def test_cache_on_gives_the_losses_and_parameters_of_cache_off(base):
     assert sum(c.hits for c in counts) > 0
     assert on[0]["timeline"][3].cache_hit_rate > 0
     assert on[0]["timeline"][3].cache_objects > 0
+    # Epoch 3 is the last: it serves what epochs 1-2 cached and keeps none of its misses.
+    last, before = on[0]["timeline"][3], on[0]["timeline"][2]
+    assert last.cache_hit_rate < 1
+    assert (last.cache_bytes, last.cache_objects) == (before.cache_bytes, before.cache_objects)
     diff = (step_losses(on) - step_losses(off)).abs().max()
     assert float(diff) <= 1e-5
     a, b = merged_states(on), merged_states(off)
