@@ -285,9 +285,9 @@ def _ablation_lines(s: dict[str, Any], acc: str) -> list[str]:
     ref = "the paper's baseline" if "speedup" in s["ablation"][0] else ""
     cols = [(k, h) for k, h in (("speedup", "vs base"), ("vs_peer", "vs peer"))
             if k in s["ablation"][0]]
-    lines = ["ablation (training-time speedup of each arm over "
-             + " and over ".join(filter(None, [ref, "the peer" if "vs_peer" in s else ""]))
-             + "):",
+    over = " and over ".join(filter(None, [ref, "the peer" if "vs_peer" in s else ""]))
+    lines = [f"ablation (training-time speedup of each arm over {over}):" if over
+             else "ablation (each arm's freeze timeline):",
              f"{'':<42}" + "".join(f"{h:>9}" for _, h in cols)
              + (f"{'wall':>7}{'bound':>7}{'of bound':>9}" if ref else f"{'bound':>7}")
              + f"{acc:>10}{'frozen':>8}"]
