@@ -386,25 +386,35 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
     written once devices and precision are resolved, before any worker starts."""
     # The reference run's time counts building its dataset and model, as the Ray workers' does.
     t0 = built_from if cfg.engine == "reference" else time.perf_counter()
-    trained = None  # the reference trainer's model; on Ray the parameters are in shards
     if cfg.engine == "reference":
         assert choice is not None
         cfg = cfg.model_copy(update=choice.config_update(cfg.pipeline))
         summary, trained = _train_reference(cfg, choice.device, splits, adapter, run_dir,
                                             on_epoch)
-    else:  # the workers read the splits shipped (where they fit) and build their own model
-        from pt_ray.service.trainer import run_on_ray
+        return _finish(summary, cfg, run_dir, t0, trained, splits, adapter)
+    # The workers read the splits shipped (where they fit) and build their own model; on Ray
+    # the parameters are in the checkpoint's shards.
+    from pt_ray.service.trainer import run_on_ray
 
-        summary = run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
-                             choice=choice, resume_from=resumed.checkpoint if resumed else None,
-                             splits=splits)
-        cfg = RunConfig.model_validate(summary.config)  # as the workers ran it
-        summary = _ray_summary(summary, on_epoch, resumed, preflight_s)
+    def finish(trained: RunSummary) -> Result:
+        ran = RunConfig.model_validate(trained.config)  # as the workers ran it
+        return _finish(_ray_summary(trained, on_epoch, resumed, preflight_s), ran, run_dir, t0,
+                       None, splits, adapter)
+
+    return run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
+                      choice=choice, resume_from=resumed.checkpoint if resumed else None,
+                      splits=splits, then=finish)
+
+
+def _finish(summary: RunSummary, cfg: RunConfig, run_dir: Path, t0: float, trained: Any,
+            splits: DatasetSplits, adapter: ModelAdapter) -> Result:
+    """Step 6 of :func:`fit`: the wall time, ``summary.json``, the exported model, then the
+    extras (the report's own process starts last, so that it does not slow the export)."""
     summary = summary.model_copy(update={"wall_time_s": time.perf_counter() - t0})
     written = write_summary(run_dir / "summary.json", summary)
-    _write_extras(cfg.logging, written, run_dir)
     _export_model(run_dir, trained, summary.checkpoint, written, model=cfg.model,
                   data=cfg.data, seed=cfg.seed, name=cfg.name, splits=splits, built=adapter)
+    _write_extras(cfg.logging, written, run_dir)
     return Result(summary, cfg, run_dir)
 
 

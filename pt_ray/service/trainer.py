@@ -7,13 +7,14 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import ray
 import torch
@@ -181,6 +182,23 @@ def cluster_devices(pipeline: PipelineConfig, engine: str, precision: str) -> De
     return choice
 
 
+_T = TypeVar("_T")
+
+
+@overload
+def run_on_ray(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str] | None = ...,
+               config_file: Path | None = ..., choice: DeviceChoice | None = ...,
+               resume_from: Path | None = ..., splits: DatasetSplits | None = ...,
+               then: None = ...) -> RunSummary: ...
+
+
+@overload
+def run_on_ray(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str] | None = ...,
+               config_file: Path | None = ..., choice: DeviceChoice | None = ...,
+               resume_from: Path | None = ..., splits: DatasetSplits | None = ...,
+               *, then: Callable[[RunSummary], _T]) -> _T: ...
+
+
 def run_on_ray(
     cfg: RunConfig,
     run_dir: Path,
@@ -189,7 +207,8 @@ def run_on_ray(
     choice: DeviceChoice | None = None,
     resume_from: Path | None = None,
     splits: DatasetSplits | None = None,
-) -> RunSummary:
+    then: Callable[[RunSummary], _T] | None = None,
+) -> RunSummary | _T:
     """Run ``cfg`` on Ray Train with one worker per device and a named controller actor, and
     return the run's summary: the controller's timeline, decisions and rollbacks, the
     configuration the workers ran (``pipeline.use_gpu``, ``precision`` and the cache sizes
@@ -214,6 +233,10 @@ def run_on_ray(
         splits: the dataset the driver built from ``cfg.data`` (its preflight's): shipped to
             the workers through the object store where it fits (:mod:`pt_ray.service.shipped`),
             so that they do not read and tokenise the files again (None: each worker builds).
+        then: what to do with the summary once the run has trained (write it, export the
+            model), returning the call's result; it runs while an embedded cluster this call
+            started shuts down (about 1.4 s, mostly waiting for its processes), and the call
+            returns once both are done. None: return the summary.
 
     Raises:
         ConfigError: ``pipeline.use_gpu=true`` and the cluster has too few GPUs; raised
@@ -247,11 +270,21 @@ def run_on_ray(
         if config_file is not None:
             write_text_atomically(config_file, cfg.to_yaml())
         shipped = _Shipped(*ship_splits(splits, capacities)) if splits is not None else _Shipped()
-        return _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch,
-                    shipped)
-    finally:
+        summary = _run(cfg, choice, run_dir, worker_env or {}, autoscaler, resume_from, watch,
+                       shipped)
+    except BaseException:
         if started:
             ray.shutdown()
+        raise
+    closing = None
+    if started:  # nothing below uses Ray: the cluster goes down beside it
+        closing = threading.Thread(target=ray.shutdown, name="pt-ray-shutdown", daemon=True)
+        closing.start()
+    try:
+        return then(summary) if then is not None else summary
+    finally:
+        if closing is not None:
+            closing.join()
 
 
 def watches_preemption(view: ClusterView) -> bool:
