@@ -201,6 +201,14 @@ def test_one_pass_gives_the_global_and_the_per_block_norms():
     assert meter.mean() == pytest.approx({b: 2 * float(expected[b]) for b in (1, 2, 3)},
                                          rel=1e-6)
     assert meter.state_dict()["steps"] == 2
+    # A parameter without a gradient (made frozen mid-block) counts for nothing in its block.
+    dropped = next(iter(adapter.blocks[2].parameters()))
+    gone = float(dropped.grad.norm())
+    dropped.grad = None
+    _, partial = clip_grad_norm(None, params, max_norm=None, group=None, blocks=index)
+    left = (float(expected[2]) ** 2 - gone ** 2) ** 0.5
+    assert partial.tolist() == pytest.approx([float(expected[1]), left, float(expected[3])],
+                                             rel=1e-6)
 
 
 @pytest.mark.unit

@@ -54,11 +54,7 @@ def clip_grad_norm(
     if grads:
         sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2)
         if blocks is not None:
-            ids = blocks.ids if len(grads) == len(params) else blocks.ids_for(params)
-            per_block = torch.zeros(blocks.count, dtype=torch.float64, device=device)
-            keep = ids >= 0
-            per_block.index_add_(0, ids[keep], sq[keep].double())
-            per_block = per_block.sqrt()
+            per_block = blocks.norms(sq, None if len(grads) == len(params) else params)
         sq = sq.sum()
     else:
         sq = torch.zeros((), dtype=torch.float32, device=device)
@@ -92,6 +88,22 @@ class ParamBlocks:
         self.first, self.count, self.device = first, count, device
         self._of = {id(p): b - first for b, ps in block_params.items() for p in ps}
         self.ids = self.ids_for(params, all_grads=True)
+        self._members = self._membership(self.ids)
+
+    def norms(self, sq: torch.Tensor, params: Sequence[torch.nn.Parameter] | None = None
+              ) -> torch.Tensor:
+        """Per-block L2 norms (fp64, over ``first ..``) from the per-parameter squared norms
+        ``sq`` of every trained parameter, or of those of ``params`` that have a gradient: one
+        matrix-vector product with a 0/1 membership matrix, which no step has to build (and
+        no boolean indexing, which would make a GPU wait for the host every step)."""
+        members = self._members if params is None else self._membership(self.ids_for(params))
+        return torch.mv(members, sq.double()).sqrt()
+
+    def _membership(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[count, len(ids)]`` fp64: 1 where parameter j belongs to block i (the embedding's
+        and the head's columns, -1, are all 0)."""
+        blocks = torch.arange(self.count, device=ids.device).unsqueeze(1)
+        return (ids.unsqueeze(0) == blocks).double()
 
     def ids_for(self, params: Sequence[torch.nn.Parameter], all_grads: bool = False
                 ) -> torch.Tensor:
