@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -391,31 +392,37 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
         cfg = cfg.model_copy(update=choice.config_update(cfg.pipeline))
         summary, trained = _train_reference(cfg, choice.device, splits, adapter, run_dir,
                                             on_epoch)
-        return _finish(summary, cfg, run_dir, t0, trained, splits, adapter)
+        summary = _finish(summary, run_dir, t0, cfg.logging, partial(
+            _export_model, run_dir, trained, model=cfg.model, data=cfg.data, seed=cfg.seed,
+            name=cfg.name, splits=splits, built=adapter))
+        return Result(summary, cfg, run_dir)
     # The workers read the splits shipped (where they fit) and build their own model; on Ray
     # the parameters are in the checkpoint's shards.
     from pt_ray.service.trainer import run_on_ray
 
     def finish(trained: RunSummary) -> Result:
         ran = RunConfig.model_validate(trained.config)  # as the workers ran it
-        return _finish(_ray_summary(trained, on_epoch, resumed, preflight_s), ran, run_dir, t0,
-                       None, splits, adapter)
+        summary = _finish(_ray_summary(trained, on_epoch, resumed, preflight_s), run_dir, t0,
+                          ran.logging, partial(_export_model, run_dir, None, model=ran.model,
+                                               data=ran.data, seed=ran.seed, name=ran.name,
+                                               splits=splits, built=adapter))
+        return Result(summary, ran, run_dir)
 
     return run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
                       choice=choice, resume_from=resumed.checkpoint if resumed else None,
                       splits=splits, then=finish)
 
 
-def _finish(summary: RunSummary, cfg: RunConfig, run_dir: Path, t0: float, trained: Any,
-            splits: DatasetSplits, adapter: ModelAdapter) -> Result:
-    """Step 6 of :func:`fit`: the wall time, ``summary.json``, the exported model, then the
-    extras (the report's own process starts last, so that it does not slow the export)."""
+def _finish(summary: RunSummary, run_dir: Path, t0: float, logging_cfg: LoggingConfig,
+            export: Callable[[str | None, dict[str, Any]], None]) -> RunSummary:
+    """Step 6 of :func:`fit`: the wall time, ``summary.json``, the exported model
+    (``export(checkpoint, written summary)``), then the extras (the report's own process
+    starts last, so that it does not slow the export); returns the summary written."""
     summary = summary.model_copy(update={"wall_time_s": time.perf_counter() - t0})
     written = write_summary(run_dir / "summary.json", summary)
-    _export_model(run_dir, trained, summary.checkpoint, written, model=cfg.model,
-                  data=cfg.data, seed=cfg.seed, name=cfg.name, splits=splits, built=adapter)
-    _write_extras(cfg.logging, written, run_dir)
-    return Result(summary, cfg, run_dir)
+    export(summary.checkpoint, written)
+    _write_extras(logging_cfg, written, run_dir)
+    return summary
 
 
 def _write_tables(data: DataConfig, run_dir: Path, train_data: Any,

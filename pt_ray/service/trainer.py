@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -183,20 +183,6 @@ def cluster_devices(pipeline: PipelineConfig, engine: str, precision: str) -> De
 
 
 _T = TypeVar("_T")
-
-
-@overload
-def run_on_ray(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str] | None = ...,
-               config_file: Path | None = ..., choice: DeviceChoice | None = ...,
-               resume_from: Path | None = ..., splits: DatasetSplits | None = ...,
-               then: None = ...) -> RunSummary: ...
-
-
-@overload
-def run_on_ray(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str] | None = ...,
-               config_file: Path | None = ..., choice: DeviceChoice | None = ...,
-               resume_from: Path | None = ..., splits: DatasetSplits | None = ...,
-               *, then: Callable[[RunSummary], _T]) -> _T: ...
 
 
 def run_on_ray(
