@@ -87,8 +87,7 @@ class ParamBlocks:
                  device: torch.device) -> None:
         self.first, self.count, self.device = first, count, device
         self._of = {id(p): b - first for b, ps in block_params.items() for p in ps}
-        self.ids = self.ids_for(params, all_grads=True)
-        self._members = self._membership(self.ids)
+        self._members = self._membership(self.ids_for(params, all_grads=True))
 
     def norms(self, sq: torch.Tensor, params: Sequence[torch.nn.Parameter] | None = None
               ) -> torch.Tensor:

@@ -129,11 +129,11 @@ class ControllerActor:
                 ``decision``'s start: the caller's worker group then restarts from the
                 checkpoint instead.
         """
-        after = self._restore(decision)
+        after = await self._restore(decision)
         await self._notify()
         return after
 
-    def _restore(self, decision: int | None = None) -> int:
+    async def _restore(self, decision: int | None = None) -> int:
         """Restore a restarted, empty actor from the run's latest complete checkpoint: the
         state, what it was built with, the restarts and the start-up figures (the one path
         back, whoever asks first). Returns the last epoch the checkpoint holds.
@@ -172,10 +172,8 @@ class ControllerActor:
         built = dict(own["built_with"])
         if isinstance(built["hardware"], dict):
             built["hardware"] = HardwareProfile(**built["hardware"])
-        self.metric_name = built.pop("metric_name")
-        self.state = build_control_state(run_settings(self.cfg).control, **built)
-        self.built_with = own["built_with"]
-        self.state.resume(saved, meta["next_decision"])
+        await self.setup(**built)
+        self._state().resume(saved, meta["next_decision"])
         self.restarts, self.startup_figures = int(own["restarts"]), dict(own["startup"])
         self.recovered_after = int(meta["epoch"])
         logger.warning("controller restarted: state restored from %s (after epoch %d)",
@@ -263,7 +261,7 @@ class ControllerActor:
         a run. A controller restarted after the workers' last call restores itself first
         (:meth:`_restore`; its ``RuntimeError`` says why it cannot)."""
         if self.state is None:
-            self._restore()
+            await self._restore()
         state = self._state()
         rollbacks = [{**r, "discarded": [asdict(d) for d in state.discarded]}
                      for r in state.rollbacks]
