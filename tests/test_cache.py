@@ -76,7 +76,8 @@ def test_pieces_become_one_object_per_block_and_depth():
     assert idx.stats.objects == 0 and idx.stats.pending_bytes > 0  # waits for its block
     idx.add(0, 7, 4, 1, payload([9, 3]))
     assert idx.stats.objects == 1 and idx.stats.pending_bytes == 0
-    (_, lv, (ids, (rows,), _)), = idx.lookup([7], 2)
+    (_, lv, ref), = idx.lookup([7], 2)
+    ids, (rows,), _ = idx.payload(ref)
     assert lv == 1 and ids.tolist() == [1, 3, 5, 9]
     assert rows[:, 0].tolist() == [11.0, 31.0, 51.0, 91.0]
     # An incomplete block is stored at flush; a later piece merges into the same object.
@@ -85,8 +86,8 @@ def test_pieces_become_one_object_per_block_and_depth():
     idx.add(0, 8, 4, 1, payload([4, 2]))
     idx.flush()
     assert idx.stats.objects == 2
-    (_, _, (ids, _, _)), = idx.lookup([8], 1)
-    assert ids.tolist() == [2, 4]
+    (_, _, ref), = idx.lookup([8], 1)
+    assert idx.payload(ref)[0].tolist() == [2, 4]
 
 
 def test_a_deeper_depth_replaces_the_shallower_one():
@@ -102,8 +103,61 @@ def test_a_deeper_depth_replaces_the_shallower_one():
     idx.add(0, 1, 2, 1, payload([2, 3], level=1))
     idx.add(0, 1, 2, 2, payload([2], level=2))
     idx.flush()
-    (_, lv, (ids, _, _)), = idx.lookup([1], 2)
-    assert lv == 2 and ids.tolist() == [2] and idx.stats.objects == 2
+    (_, lv, ref), = idx.lookup([1], 2)
+    assert lv == 2 and idx.payload(ref)[0].tolist() == [2] and idx.stats.objects == 2
+
+
+def test_blocks_stored_together_share_one_object_until_the_last_is_released():
+    puts = []
+
+    def put(p):
+        puts.append(p)
+        return p
+
+    idx: BlockLedger = BlockLedger(10**6, put=put, load=lambda p: p)
+    # A flush of many incomplete blocks: one put, each block read back whole from it.
+    for block in range(5):
+        idx.add(0, block, 4, 1, payload([4 * block, 4 * block + 1]))
+    assert puts == []
+    idx.flush()
+    assert len(puts) == 1 and idx.stats.objects == 5 and idx.stats.pending_bytes == 0
+    one = idx.stats.bytes // 5
+    for block in range(5):
+        (_, lv, ref), = idx.lookup([block], 1)
+        ids, (rows,), _ = idx.payload(ref)
+        assert lv == 1 and ids.tolist() == [4 * block, 4 * block + 1]
+        assert rows[:, 0].tolist() == [40.0 * block + 1, 40.0 * block + 11]
+    # Blocks completed by one call go into one object too; one that merges a pack's rows reads
+    # them from the pack.
+    assert idx.add_many(0, [(0, 4, 1, payload([2, 3])), (1, 4, 1, payload([6, 7])),
+                            (2, 4, 1, payload([8]))]) == 3
+    assert len(puts) == 2 and len(puts[1]) == 2
+    (_, _, ref), = idx.lookup([1], 1)
+    assert idx.payload(ref)[0].tolist() == [4, 5, 6, 7]
+    # The first pack's bytes (5 blocks of 2 rows) stay counted while any of its blocks is
+    # stored in it, beside the second's (2 blocks of 4 rows).
+    held = idx.stats.bytes
+    assert held == 5 * one + 2 * 2 * one
+    for block in (2, 3):
+        idx.add(0, block, 1, 2, payload([4 * block], level=2))
+    assert idx.stats.bytes == held + 2 * (one // 2)  # blocks 2 and 3 of pack 1 released
+    idx.add(0, 4, 1, 2, payload([16], level=2))
+    # Its last block released: pack 1 (5 blocks of 2 rows) no longer counts.
+    assert idx.stats.bytes == held + 3 * (one // 2) - 5 * one
+    assert idx.stats.objects == 5
+
+
+def test_a_flush_stores_no_depth_that_a_deeper_one_of_its_block_replaces():
+    idx: BlockLedger = BlockLedger(10**6, put=lambda p: p, load=lambda p: p)
+    idx.add(0, 0, 4, 1, payload([0, 1], level=1))   # a freeze landed: depth 1, then 2
+    idx.add(0, 0, 4, 2, payload([2], level=2))
+    idx.add(0, 1, 4, 1, payload([4], level=1))
+    idx.flush()
+    assert [(b, lv) for b, lv, _ in idx.lookup([0, 1], 2)] == [(0, 2), (1, 1)]
+    # Only what the pack's readers can read counts: block 0's depth 1 was never stored.
+    ids, (rows,), _ = payload([2], level=2)
+    assert idx.stats.bytes == 2 * (ids.nbytes + rows.nbytes)
+    assert idx.stats.objects == 2 and idx.stats.pending_bytes == 0
 
 
 def test_budget_refuses_and_restart_invalidates():

@@ -96,6 +96,31 @@ def test_budget_refuses_rows_which_then_read_as_misses(ray_cluster):
     ray.kill(actor)
 
 
+def test_an_epochs_end_stores_its_incomplete_blocks_in_one_object(ray_cluster):
+    name, actor = new_cache()
+    store = RayStore(name, batch_bytes=10**6)
+    for block in range(6):  # every block lacks half its rows (a freeze landed mid-epoch)
+        store.write(block, 4, 2, *rows([4 * block, 4 * block + 1], 2), ["float32"])
+    store.drain()
+    store.flush()
+    entries = ray.get(actor.lookup.remote(None, 2))
+    assert len({ref for _, _, (ref, _) in entries}) == 1  # one put, not six
+    assert sorted(index for _, _, (_, index) in entries) == list(range(6))
+    segments = store.read(range(6), 2)
+    assert [s.block for s in segments] == list(range(6))
+    for seg in segments:
+        assert seg.ids.tolist() == [4 * seg.block, 4 * seg.block + 1]
+        np.testing.assert_array_equal(seg.arrays[0], rows(seg.ids, 2)[1][0])
+    # The next epoch completes block 1 from the pack's rows plus new ones: a block of its own.
+    store.write(1, 4, 2, *rows([6, 7], 2), ["float32"])
+    store.drain()
+    (seg,) = store.read([1], 2)
+    assert seg.ids.tolist() == [4, 5, 6, 7]
+    np.testing.assert_array_equal(seg.arrays[0], rows([4, 5, 6, 7], 2)[1][0])
+    assert store.stats().objects == 6
+    ray.kill(actor)
+
+
 @ray.remote(num_cpus=0)
 class Owner:
     def make(self):
@@ -136,7 +161,7 @@ def test_lost_objects_and_a_dead_cache_read_as_misses(ray_cluster):
     live = ray.get(actor.lookup.remote([0], 1))
     forgotten = []
     store.actor = types.SimpleNamespace(
-        lookup=types.SimpleNamespace(remote=lambda b, lv: ray.put(live + [(5, 1, lost)])),
+        lookup=types.SimpleNamespace(remote=lambda b, lv: ray.put(live + [(5, 1, (lost, None))])),
         forget=types.SimpleNamespace(remote=forgotten.extend),
     )
     assert [s.block for s in store.read([0, 5], 1)] == [0]

@@ -24,7 +24,7 @@ from pt_ray.data.sampler import training_sampler
 from pt_ray.runtime.build import build_model_for
 from pt_ray.cache.store import InMemoryStore
 from pt_ray.runtime.precision import Precision
-from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, store_figures
+from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, flush_rows, store_figures
 from pt_ray.service.settings import run_settings
 from test_cache import TINY
 
@@ -138,6 +138,7 @@ def test_a_cache_sized_from_the_store_serves_every_read_after_its_first_epoch():
                 idx = sampler.step_indices(epoch, step)
                 prefix(2, idx, lambda rows, i=idx: splits.train.batch(i[rows].tolist()).inputs)
             rows, served, *_ = epoch_counters(prefix)   # the engine's end of an epoch
+            flush_rows(prefix)
             store_figures(prefix, rank=0)
             rates.append(served / rows)
             reads.append(len(store.asked) - asked)

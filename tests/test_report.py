@@ -352,7 +352,7 @@ def test_cache_nodes_table_shows_each_node_and_is_empty_without_them():
     lines = cache_nodes_table({**make_summary(), "cache": {
         "bytes": 3 * 2**20, "objects": 8, "stored_bytes": 6 * 2**20, "stored_objects": 16,
         "nodes": {"a" * 40: node, "b" * 40: node}}}).splitlines()
-    assert len(lines) == 5 and lines[1] == ("cache 3.0 MiB in 8 objects, stored as 6.0 MiB in "
-                                            "16 objects on 2 nodes")
+    assert len(lines) == 5 and lines[1] == ("cache 3.0 MiB in 8 blocks, stored as 6.0 MiB in "
+                                            "16 blocks on 2 nodes")
     assert cache_nodes_table({**make_summary(), "cache": {}}) == ""
     assert cache_nodes_table(make_summary()) == ""

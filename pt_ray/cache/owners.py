@@ -11,10 +11,11 @@ owns the cache objects of its node:
    worker with too many sends in flight drops the next ones, so a slow owner never stalls a
    step), and the rest at the end of the epoch;
 2. the owner reads them from the same node's store (shared memory, no network) and assembles
-   the rows of each block at each depth into one object it puts itself
-   (:class:`pt_ray.cache.store.BlockLedger`), keeping the index ``(block, depth) -> ref``; a
-   deeper object releases the shallower ones it covers, and past the budget (a fraction of its
-   own node's object store: :func:`pt_ray.cache.size.store_budget`) new rows are refused;
+   the rows of each block at each depth (:class:`pt_ray.cache.store.BlockLedger`); the blocks
+   one call completes, and those an epoch's end stores incomplete, go into one object it puts
+   itself, keeping the index ``(block, depth) -> (ref, index in that object)``; a deeper entry
+   releases the shallower ones it covers, and past the budget (a fraction of its own node's
+   object store: :func:`pt_ray.cache.size.store_budget`) new rows are refused;
 3. at the end of an epoch, once every replica's writes have landed, each node's owner copies
    in the objects that other nodes' owners hold and it lacks (``adopt``): one transfer per
    object and node, between epochs rather than inside steps;
@@ -66,6 +67,7 @@ from pt_ray.cache.store import (
     Payload,
     Segment,
     distinct_figures,
+    unpack,
 )
 
 __all__ = [
@@ -81,8 +83,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# One snapshot entry: (block, depth, ref, the owner's name; None for this node's own owner).
-_Entry = tuple[int, int, ray.ObjectRef, str | None]
+# One snapshot entry: (block, depth, (ref, index in its pack), the owner's name; None for this
+# node's own owner).
+_Entry = tuple[int, int, tuple[ray.ObjectRef, int | None], str | None]
 
 
 def cache_name(run_id: str, node_id: str | None = None) -> str:
@@ -176,60 +179,67 @@ class CacheActor:
             arrays: list[np.ndarray], dtypes: list[str]) -> bool:
         """Admit rows (see :meth:`BlockLedger.add`); returns whether they were admitted."""
         # Copies: the arguments are views of the sender's objects, which die with it.
-        payload: Payload = (np.array(ids), tuple(np.array(a) for a in arrays), tuple(dtypes))
-        return self.index.add(lineage, block, block_size, level, payload)
+        return self.put_many(lineage, [(block, block_size, level, ids, arrays, dtypes)])
 
     def put_many(self, lineage: int, items: list[tuple]) -> int:
-        """:meth:`put` for each ``(block, block_size, level, ids, arrays, dtypes)``; returns
-        how many were admitted."""
-        return sum(self.put(lineage, *item) for item in items)
+        """:meth:`put` for each ``(block, block_size, level, ids, arrays, dtypes)``, the blocks
+        they complete stored in one object; returns how many were admitted."""
+        # Copies: the arguments are views of the sender's objects, which die with it.
+        return self.index.add_many(lineage, [
+            (block, block_size, level,
+             (np.array(ids), tuple(np.array(a) for a in arrays), tuple(dtypes)))
+            for block, block_size, level, ids, arrays, dtypes in items])
 
     def put_refs(self, lineage: int, refs: list[ray.ObjectRef]) -> int:
         """:meth:`put_many` for batches a worker of this node put in the node's store (read
         from shared memory; a batch whose worker died is lost: its rows stay misses)."""
-        admitted = 0
+        items: list[tuple] = []
         for ref in refs:
             try:
-                items = ray.get(ref)
+                items.extend(ray.get(ref))
             except RayError:
                 self.reads["lost_pieces"] += 1
-                continue
-            admitted += self.put_many(lineage, items)
-        return admitted
+        return self.put_many(lineage, items)
 
     def lookup(self, blocks: list[int] | None, level: int, sized: bool = False
                ) -> list[tuple]:
-        """``(block, depth, ref)`` of the objects of ``blocks`` (None: every block) at
-        ``level`` or shallower, with ``sized`` also their row count; the caller borrows the
-        refs."""
+        """``(block, depth, (ref, index))`` of the entries of ``blocks`` (None: every block)
+        at ``level`` or shallower (:func:`pt_ray.cache.store.unpack` reads one), with ``sized``
+        also their row count; the caller borrows the refs."""
         if blocks is None:
             blocks = list(self.index.objects)
         entries = self.index.lookup(blocks, level)
         if not sized:
             return entries
-        return [(b, lv, ref, len(self.index.objects[b][lv][1])) for b, lv, ref in entries]
+        return [(b, lv, ref, len(self.index.objects[b][lv].ids)) for b, lv, ref in entries]
 
-    def holdings(self) -> list[tuple[int, int, ray.ObjectRef, np.ndarray]]:
-        """``(block, depth, ref, ids)`` of every object (for another node's :meth:`adopt`)."""
-        return [(b, lv, ref, ids) for b, depths in self.index.objects.items()
-                for lv, (ref, ids, _) in depths.items()]
+    def holdings(self) -> list[tuple[int, int, tuple[ray.ObjectRef, int | None], np.ndarray]]:
+        """``(block, depth, (ref, index), ids)`` of every entry (for another node's
+        :meth:`adopt`)."""
+        return [(b, lv, e.ref, e.ids) for b, depths in self.index.objects.items()
+                for lv, e in depths.items()]
 
     def contents(self) -> Contents:
         """``(block, depth, ids, bytes)`` of every object (for :func:`distinct_figures`)."""
         return self.index.contents()
 
-    def adopt(self, entries: list[tuple[int, int, ray.ObjectRef, np.ndarray]]) -> int:
-        """Copy in other owners' objects ``(block, depth, ref, ids)`` holding rows this node
-        lacks at that depth or deeper (fetched across nodes once; refused past the budget),
-        then store every waiting row; returns how many were admitted."""
+    def adopt(self, entries: list[tuple[int, int, tuple[ray.ObjectRef, int | None],
+                                        np.ndarray]]) -> int:
+        """Copy in other owners' entries ``(block, depth, (ref, index), ids)`` holding rows
+        this node lacks at that depth or deeper (each object fetched across nodes once;
+        refused past the budget), then store every waiting row; returns how many were
+        admitted."""
         admitted = 0
-        for block, level, ref, ids in entries:
+        fetched: dict[ray.ObjectRef, Any] = {}
+        for block, level, (ref, index), ids in entries:
             held = self.index.objects.get(block, {})
             if any(lv > level for lv in held) or (
-                    level in held and np.isin(ids, held[level][1]).all()):
+                    level in held and np.isin(ids, held[level].ids).all()):
                 continue
             try:
-                ids, arrays, dtypes = ray.get(ref)
+                if ref not in fetched:
+                    fetched[ref] = ray.get(ref)
+                ids, arrays, dtypes = unpack(fetched[ref], index)
             except RayError:
                 continue  # the other node's object is gone: its rows stay misses here
             payload: Payload = (np.array(ids), tuple(np.array(a) for a in arrays),
@@ -406,14 +416,15 @@ class RayStore:
         entries = self._entries(blocks, level)
         if not entries:
             return []
-        refs = [e[2] for e in entries]
+        refs = list(dict.fromkeys(e[2][0] for e in entries))  # blocks of a pack share one
         try:
-            values = ray.get(refs, timeout=self.timeout_s)
+            values = dict(zip(refs, ray.get(refs, timeout=self.timeout_s)))
         except RayError:
-            values = [self._get_one(ref) for ref in refs]
+            values = {ref: self._get_one(ref) for ref in refs}
         out: list[Segment] = []
         lost: dict[str | None, list[tuple[int, int]]] = {}
-        for (block, lv, _, owner), value in zip(entries, values):
+        for block, lv, (ref, index), owner in entries:
+            value = values[ref]
             if value is None:
                 lost.setdefault(owner, []).append((block, lv))
                 continue
@@ -421,7 +432,7 @@ class RayStore:
                 self.local_reads += 1
             else:
                 self.remote_reads += 1
-            ids, arrays, dtypes = value
+            ids, arrays, dtypes = unpack(value, index)
             out.append(Segment(block, lv, ids, tuple(arrays), tuple(dtypes)))
         if lost:
             self._warn(f"{sum(map(len, lost.values()))} cached objects could not be read")

@@ -48,6 +48,7 @@ __all__ = [
     "epoch_counters",
     "gather_rows_on_device",
     "gather_rows_on_host",
+    "flush_rows",
     "store_figures",
 ]
 
@@ -468,13 +469,18 @@ def epoch_counters(prefix: CachedPrefix | None) -> list[float]:
             c.uncached_s]
 
 
+def flush_rows(prefix: CachedPrefix | None) -> None:
+    """After every rank's :func:`epoch_counters`: store the rows of incomplete blocks (with one
+    owner the call returns at once, so the owner's work overlaps the evaluation that follows;
+    :func:`store_figures` waits for it)."""
+    if prefix is not None:
+        prefix.store.flush()
+
+
 def store_figures(prefix: CachedPrefix | None, rank: int) -> list[float]:
-    """After every rank's :func:`epoch_counters`: store the rows of incomplete blocks, and
-    (rank 0, always a stage 0) the store's ``[bytes, objects]``; zeros elsewhere."""
-    if prefix is None:
-        return [0.0, 0.0]
-    prefix.store.flush()
-    if rank != 0:
+    """After :func:`flush_rows`: (rank 0, always a stage 0) the store's ``[bytes, objects]``;
+    zeros elsewhere."""
+    if prefix is None or rank != 0:
         return [0.0, 0.0]
     stats = prefix.store.stats()
     return [float(stats.bytes), float(stats.objects)]

@@ -41,6 +41,7 @@ __all__ = [
     "distinct_figures",
     "from_numpy",
     "to_numpy",
+    "unpack",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,14 +98,15 @@ class CacheStats:
     """A store's state and what it refused.
 
     Attributes:
-        bytes: bytes held in stored objects.
-        objects: stored objects (one per block and depth at most).
+        bytes: bytes held in stored objects (a pack's, until its last block is released).
+        objects: stored blocks, one entry per block and depth at most (the blocks of a pack
+            share one object).
         pending_bytes: bytes of rows waiting for the rest of their block.
         budget_bytes: most bytes the store admits (objects plus pending rows).
         refused_rows: rows not admitted because the budget was full.
         stale_rows: rows refused because a restart made them stale.
-        released_objects: objects dropped because a deeper depth covered them.
-        lost_objects: objects dropped because reading them failed.
+        released_objects: entries dropped because a deeper depth covered them.
+        lost_objects: entries dropped because reading them failed.
     """
 
     bytes: int = 0
@@ -190,6 +192,37 @@ class _Pending:
     nbytes: int = 0
 
 
+@dataclass
+class _Pack:
+    """One stored object holding several blocks: its bytes count in the budget until the last
+    block in it is dropped (the object lives as long as any of them)."""
+
+    nbytes: int
+    blocks: int
+
+
+@dataclass
+class _Stored(Generic[H]):
+    """A block at one depth: the object holding it, and its place in a pack (None: the object
+    is this block's alone)."""
+
+    handle: H
+    index: int | None
+    ids: np.ndarray
+    nbytes: int
+    pack: _Pack | None = None
+
+    @property
+    def ref(self) -> tuple[H, int | None]:
+        return self.handle, self.index
+
+
+def unpack(value: Payload | Sequence[Payload], index: int | None) -> Payload:
+    """A block's payload from what its object holds: the payload itself, or a pack's
+    ``index``-th (see :class:`BlockLedger`)."""
+    return value if index is None else value[index]  # type: ignore[return-value]
+
+
 def _nbytes(payload: Payload) -> int:
     return int(payload[0].nbytes + sum(a.nbytes for a in payload[1]))
 
@@ -210,27 +243,33 @@ class BlockLedger(Generic[H]):
     """The bookkeeping of a block store, over any object handle (an array tuple, a Ray ref).
 
     1. Rows arrive in pieces (each replica writes its share of a block). They wait, counted in
-       the budget, until their block is complete at that depth (or :meth:`flush`), then become
-       one object; an existing object of the same block and depth is merged in.
-    2. A new object releases the shallower objects of its block, so a block has one object.
-    3. A piece that would pass the budget is refused (its rows stay misses).
-    4. :meth:`invalidate_above` drops deeper entries and starts a new lineage; pieces written
+       the budget, until their block is complete at that depth (or :meth:`flush`), then are
+       stored; an existing object of the same block and depth is merged in.
+    2. The blocks completed by one :meth:`add_many` call, or stored by one :meth:`flush`, go
+       into one object (a pack: a list of payloads), so a flush of many incomplete blocks (a
+       freeze landing late in an epoch leaves every block incomplete) costs one ``put``, not
+       one per block. :meth:`lookup` names a block by ``(handle, index in its pack)``.
+    3. A newly stored block releases the shallower entries of its block, so a block has one
+       entry; a pack's bytes stay counted until its last block is released.
+    4. A piece that would pass the budget is refused (its rows stay misses).
+    5. :meth:`invalidate_above` drops deeper entries and starts a new lineage; pieces written
        under an older lineage are refused.
 
     Args:
         budget_bytes: most bytes of objects plus waiting rows.
-        put: stores a payload, returns its handle (may raise: the rows are then refused).
-        load: the payload behind a handle (for merging).
+        put: stores a payload or a list of them, returns its handle (may raise: the rows are
+            then refused).
+        load: what a handle holds (for merging).
     """
 
-    def __init__(self, budget_bytes: int, put: Callable[[Payload], H],
-                 load: Callable[[H], Payload]) -> None:
+    def __init__(self, budget_bytes: int, put: Callable[[Payload | list[Payload]], H],
+                 load: Callable[[H], Payload | list[Payload]]) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes} must be positive")
         self._put, self._load = put, load
         self.lineage = 0
-        self.objects: dict[int, dict[int, tuple[H, np.ndarray, int]]] = {}
-        """block -> depth -> (handle, ids, bytes)."""
+        self.objects: dict[int, dict[int, _Stored[H]]] = {}
+        """block -> depth -> where it is stored."""
         self._pending: dict[tuple[int, int], _Pending] = {}
         self.stats = CacheStats(budget_bytes=budget_bytes)
 
@@ -240,78 +279,132 @@ class BlockLedger(Generic[H]):
 
     def add(self, lineage: int, block: int, block_size: int, level: int,
             payload: Payload) -> bool:
-        """Admit rows of one block at one depth; returns whether they were admitted."""
+        """Admit rows of one block at one depth, storing the block if they complete it;
+        returns whether they were admitted."""
+        admitted, complete = self._admit(lineage, block, block_size, level, payload)
+        if complete:
+            self._store([(block, level)])
+        return admitted
+
+    def add_many(self, lineage: int,
+                 items: Sequence[tuple[int, int, int, Payload]]) -> int:
+        """:meth:`add` for each ``(block, block_size, level, payload)``, storing the blocks
+        they complete in one object; returns how many were admitted."""
+        admitted, complete = 0, []
+        for block, block_size, level, payload in items:
+            ok, done = self._admit(lineage, block, block_size, level, payload)
+            admitted += ok
+            if done:
+                complete.append((block, level))
+        self._store(complete)
+        return admitted
+
+    def _admit(self, lineage: int, block: int, block_size: int, level: int,
+               payload: Payload) -> tuple[bool, bool]:
+        """Queue rows; returns whether they were admitted and whether their block is now
+        complete at that depth."""
         rows = len(payload[0])
         if lineage != self.lineage:
             self.stats.stale_rows += rows
-            return False
+            return False, False
         nbytes = _nbytes(payload)
         if self.used_bytes + nbytes > self.stats.budget_bytes:
             self.stats.refused_rows += rows
-            return False
+            return False, False
         pend = self._pending.setdefault((block, level), _Pending())
         pend.pieces.append(payload)
         pend.ids.update(payload[0].tolist())
         pend.nbytes += nbytes
         self.stats.pending_bytes += nbytes
         stored = self.objects.get(block, {}).get(level)
-        covered = len(pend.ids) if stored is None else len(pend.ids.union(stored[1].tolist()))
-        if covered >= block_size:
-            self._store(block, level)
-        return True
+        covered = len(pend.ids) if stored is None else len(pend.ids.union(stored.ids.tolist()))
+        return True, covered >= block_size
 
     def flush(self) -> None:
-        """Store every waiting piece, complete or not."""
-        for block, level in list(self._pending):
-            self._store(block, level)
+        """Store every waiting piece, complete or not (in one object)."""
+        self._store(list(self._pending))
 
-    def _store(self, block: int, level: int) -> None:
-        pend = self._pending.pop((block, level))
-        self.stats.pending_bytes -= pend.nbytes
-        parts = list(pend.pieces)
-        old = self.objects.get(block, {}).get(level)
-        if old is not None:
-            parts.insert(0, self._load(old[0]))
-        payload = _merge(parts)
-        try:
-            handle = self._put(payload)
-        except Exception as err:  # a full store or a dying backend: the rows stay misses
-            logger.warning("cache: block %d at depth %d not stored (%s)", block, level, err)
-            self.stats.refused_rows += len(pend.ids)
-            return
-        self._drop(block, level)
-        self.objects.setdefault(block, {})[level] = (handle, payload[0], _nbytes(payload))
-        self.stats.bytes += _nbytes(payload)
-        self.stats.objects += 1
-        # A deeper object supersedes the block's shallower ones. Most often it covers them
-        # (the block is complete); after a flush it may not, and the rows it lacks (a few per
-        # epoch: the batch that drop_last skipped) become misses. So a block never holds more
-        # than one object, and the store at most one per block.
-        for lower in [lv for lv in self.objects[block] if lv < level]:
-            self._drop(block, lower)
+    def payload(self, entry: tuple[H, int | None]) -> Payload:
+        """What a :meth:`lookup` entry's ``(handle, index)`` holds."""
+        return unpack(self._load(entry[0]), entry[1])
+
+    def _store(self, keys: list[tuple[int, int]]) -> None:
+        keys = list(dict.fromkeys(keys))
+        deepest: dict[int, int] = {}
+        for block, level in keys:
+            deepest[block] = max(level, deepest.get(block, level))
+        for block, level in [k for k in keys if k[1] < deepest[k[0]]]:
+            # A deeper entry of the block stored with it would release it at once, and in a
+            # pack its bytes would stay: its rows are dropped instead (then misses).
+            self.stats.pending_bytes -= self._pending.pop((block, level)).nbytes
             self.stats.released_objects += 1
+            keys.remove((block, level))
+        if not keys:
+            return
+        merged: list[tuple[int, int, Payload, int]] = []
+        for block, level in keys:
+            pend = self._pending.pop((block, level))
+            self.stats.pending_bytes -= pend.nbytes
+            parts = list(pend.pieces)
+            old = self.objects.get(block, {}).get(level)
+            if old is not None:
+                parts.insert(0, self.payload(old.ref))
+            merged.append((block, level, _merge(parts), len(pend.ids)))
+        payloads = [m[2] for m in merged]
+        try:
+            handle = self._put(payloads[0] if len(payloads) == 1 else payloads)
+        except Exception as err:  # a full store or a dying backend: the rows stay misses
+            logger.warning("cache: %d block(s) at depth %s not stored (%s)", len(merged),
+                           sorted({m[1] for m in merged}), err)
+            self.stats.refused_rows += sum(m[3] for m in merged)
+            return
+        pack = None
+        if len(merged) > 1:
+            pack = _Pack(nbytes=sum(_nbytes(p) for p in payloads), blocks=len(merged))
+            self.stats.bytes += pack.nbytes
+        for i, (block, level, payload, _) in enumerate(merged):
+            self._drop(block, level)
+            entry = _Stored(handle, None if pack is None else i, payload[0], _nbytes(payload),
+                            pack)
+            self.objects.setdefault(block, {})[level] = entry
+            if pack is None:
+                self.stats.bytes += entry.nbytes
+            self.stats.objects += 1
+            # A deeper object supersedes the block's shallower ones. Most often it covers them
+            # (the block is complete); after a flush it may not, and the rows it lacks (a few
+            # per epoch: the batch that drop_last skipped) become misses. So a block never has
+            # more than one entry.
+            for lower in [lv for lv in self.objects[block] if lv < level]:
+                self._drop(block, lower)
+                self.stats.released_objects += 1
 
     def _drop(self, block: int, level: int) -> None:
         depths = self.objects.get(block, {})
         entry = depths.pop(level, None)
         if entry is not None:
-            self.stats.bytes -= entry[2]
             self.stats.objects -= 1
+            if entry.pack is None:
+                self.stats.bytes -= entry.nbytes
+            else:
+                entry.pack.blocks -= 1
+                if entry.pack.blocks == 0:
+                    self.stats.bytes -= entry.pack.nbytes
         if not depths:
             self.objects.pop(block, None)
 
     def contents(self) -> Contents:
         """``(block, depth, sample ids, bytes)`` of every object (for :func:`distinct_figures`)."""
-        return [(b, lv, ids, nbytes) for b, depths in self.objects.items()
-                for lv, (_, ids, nbytes) in depths.items()]
+        return [(b, lv, e.ids, e.nbytes) for b, depths in self.objects.items()
+                for lv, e in depths.items()]
 
-    def lookup(self, blocks: Sequence[int], level: int) -> list[tuple[int, int, H]]:
-        """``(block, level, handle)`` of every object of ``blocks`` at ``level`` or shallower,
-        deepest first within each block."""
+    def lookup(self, blocks: Sequence[int], level: int
+               ) -> list[tuple[int, int, tuple[H, int | None]]]:
+        """``(block, level, (handle, index))`` of every entry of ``blocks`` at ``level`` or
+        shallower, deepest first within each block (:func:`unpack` reads one)."""
         out = []
         for b in dict.fromkeys(int(x) for x in blocks):
             depths = self.objects.get(b, {})
-            out.extend((b, lv, depths[lv][0]) for lv in sorted(depths, reverse=True)
+            out.extend((b, lv, depths[lv].ref) for lv in sorted(depths, reverse=True)
                        if lv <= level)
         return out
 
@@ -339,13 +432,14 @@ class InMemoryStore:
     """
 
     def __init__(self, budget_bytes: int = 64 * 2**30) -> None:
-        self.index: BlockLedger[Payload] = BlockLedger(budget_bytes, put=lambda p: p,
-                                                     load=lambda p: p)
+        self.index: BlockLedger[Payload | list[Payload]] = BlockLedger(
+            budget_bytes, put=lambda p: p, load=lambda p: p)
         self._lineage = 0
 
     def read(self, blocks: Sequence[int], level: int) -> list[Segment]:
         out = []
-        for block, lv, (ids, arrays, dtypes) in self.index.lookup(blocks, level):
+        for block, lv, ref in self.index.lookup(blocks, level):
+            ids, arrays, dtypes = self.index.payload(ref)
             out.append(Segment(block, lv, ids, arrays, dtypes))
         return out
 

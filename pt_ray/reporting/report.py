@@ -194,11 +194,11 @@ def cache_nodes_table(summary: SummaryLike) -> str:
              _fmt(n.get("spilled_bytes", float("nan")) / 2**20, ".1f")]
             for node, n in sorted(nodes.items())]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    out = ["activation cache per node (reads in objects)"]
+    out = ["activation cache per node (reads in blocks)"]
     if "stored_bytes" in cache:  # summaries from before the copies were told apart lack it
-        out.append(f"cache {cache['bytes'] / 2**20:.1f} MiB in {cache['objects']} objects, "
+        out.append(f"cache {cache['bytes'] / 2**20:.1f} MiB in {cache['objects']} blocks, "
                    f"stored as {cache['stored_bytes'] / 2**20:.1f} MiB in "
-                   f"{cache['stored_objects']} objects on {len(nodes)} nodes")
+                   f"{cache['stored_objects']} blocks on {len(nodes)} nodes")
     out.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(out)

@@ -97,8 +97,8 @@ class EpochRecord:
         cache_bytes: bytes the cache held at the end of the epoch, each row once however
             many nodes' stores hold a copy (``summary.json``'s ``cache.stored_bytes`` and
             ``cache.nodes`` give the copies).
-        cache_objects: objects the cache held at the end of the epoch (each block and depth
-            once, however many nodes hold it).
+        cache_objects: blocks the cache held at the end of the epoch (each block and depth
+            once, however many nodes hold it; several may share one Ray object).
         cache_cost_ratio: what the frozen prefix cost per sample with the cache (reads, layers
             run for misses and advances, writes) over its measured forward per sample without
             it; 0 when the cache served nothing.
@@ -154,7 +154,7 @@ def format_epoch(rec: EpochRecord, epochs: int, metric_name: str) -> str:
     )
     if rec.cache_objects or rec.cache_hit_rate:
         line += (f"  cache {rec.cache_hit_rate:.0%} hits, {rec.cache_bytes / 2**20:.1f} MiB in "
-                 f"{rec.cache_objects} objects, saved {rec.cache_saved_s:.2f} s")
+                 f"{rec.cache_objects} blocks, saved {rec.cache_saved_s:.2f} s")
         if rec.cache_cost_ratio:
             line += f", prefix at {rec.cache_cost_ratio:.0%} of its uncached cost"
     return line

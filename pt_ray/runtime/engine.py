@@ -48,7 +48,7 @@ from pt_ray.runtime.migrate import LayerStates
 from pt_ray.runtime.norms import GradNormMeter, merge_block_norms, norm_row
 from pt_ray.runtime.precision import LossScaler, resolve_precision
 from pt_ray.runtime.probe import probe_for
-from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, store_figures
+from pt_ray.cache.prefix import cached_prefix_for, epoch_counters, flush_rows, store_figures
 from pt_ray.runtime.profile import profile_share
 from pt_ray.runtime.records import (
     CacheFigures,
@@ -320,11 +320,12 @@ class ElasticWorker:
         layout = self.layout
         memory = self.memory.figures(self.plan.stage_layers(self.topo.stage), self.optimizer,
                                      self.topo.stage)
-        cache, held = CacheFigures(), (0.0, 0.0)
+        cache = CacheFigures()
         if self.prefix is not None:
-            # After this reduction every rank's cache writes have landed.
+            # After this reduction every rank's cache writes have landed: the owner stores the
+            # incomplete blocks while the ranks evaluate.
             cache = CacheFigures.summed(self.comm, epoch_counters(self.prefix))
-            held = store_figures(self.prefix, self.rank)  # bytes, objects
+            flush_rows(self.prefix)
         evaluated = epoch in self.settings.eval_epochs
         correct, eval_time = 0, 0.0
         if evaluated:
@@ -332,6 +333,7 @@ class ElasticWorker:
                                                self.settings.eval_batch_size, self.comm)
             if self.hooks.on_eval is not None:
                 correct = self.hooks.on_eval(epoch, correct)
+        held = store_figures(self.prefix, self.rank)  # bytes, objects
         mine = EpochFigures(float(loss_sum), correct, epoch_time, transition, *held,
                             memory=tuple(memory))
         return epoch_record(self.comm, layout, epoch, mine, self.norms.mean(), cache,

@@ -447,7 +447,7 @@ def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:
         return {}
     store = object_store_report()
     logger.info(
-        "activation cache: %.1f MiB in %d objects, stored as %.1f MiB on %d nodes (budget "
+        "activation cache: %.1f MiB in %d blocks, stored as %.1f MiB on %d nodes (budget "
         "%.0f MiB in all), %d rows refused; object store: %.1f MiB spilled to disk in %d "
         "objects", stats["bytes"] / 2**20, stats["objects"], stats["stored_bytes"] / 2**20,
         sum(1 for n in stats["nodes"].values() if n), stats["budget_bytes"] / 2**20,
