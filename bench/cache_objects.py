@@ -13,8 +13,10 @@ Three epochs:
      block and written at depth 2, which releases depth 1 block by block;
   3. depth 2: every row is a hit.
 
-Reports objects and bytes after each epoch (one object per sample would be ``--samples``
-objects; the cache keeps at most ``samples / block_size``), hit rates and timings; writes
+Reports stored blocks ("objects" in the JSON: one entry per block and depth; the blocks one
+write or one epoch's end stores share a Ray object) and bytes after each epoch (one entry per
+sample would be ``--samples``; the cache keeps at most ``samples / block_size``), hit rates
+and timings; writes
 ``<out>/cache_objects.json``. With ``--nodes N`` the run is on a cluster of N nodes on this
 machine (``ray.cluster_utils.Cluster``, each node with its own ``--store-mib`` object store and
 one owner), replica r pinned to node ``r % N``, and each epoch also reports per node: bytes,
@@ -168,16 +170,16 @@ def main(argv: list[str] | None = None) -> dict:
                 "nodes": report["nodes"] if cluster is not None else {},
             })
             e = epochs[-1]
-            print(f"epoch {epoch} depth {level}: {e['objects']} objects, "
+            print(f"epoch {epoch} depth {level}: {e['objects']} blocks, "
                   f"{e['bytes'] / 2**20:.1f} MiB (stored {e['stored_bytes'] / 2**20:.1f} MiB "
-                  f"in {e['stored_objects']} objects), hits {e['hit_rate']:.0%} "
+                  f"in {e['stored_objects']} blocks), hits {e['hit_rate']:.0%} "
                   f"(advanced {e['advanced']}, misses {e['misses']}), "
                   f"{e['refused_rows']} refused, {wall:.1f} s")
             before = epochs[-2]["nodes"] if len(epochs) > 1 else {}
             for node, n in sorted(e["nodes"].items()):
                 was = before.get(node, {})
                 print(f"  node {node[:8]}: {n.get('bytes', 0) / 2**20:.1f} MiB, "
-                      f"{n.get('objects', 0)} objects, reads this epoch "
+                      f"{n.get('objects', 0)} blocks, reads this epoch "
                       f"{n.get('local_reads', 0) - was.get('local_reads', 0)} local / "
                       f"{n.get('remote_reads', 0) - was.get('remote_reads', 0)} remote, "
                       f"{n.get('refused_rows', 0)} rows refused, "
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         assert result["max_objects"] <= args.samples / args.block_size
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cache_objects.json").write_text(json.dumps(result, indent=2))
-        print(f"{args.samples} samples: at most {result['max_objects']} objects "
+        print(f"{args.samples} samples: at most {result['max_objects']} blocks "
               f"(limit {args.samples / 64:.0f}); wrote {args.out / 'cache_objects.json'}")
         return result
     finally:
