@@ -321,11 +321,9 @@ class ElasticWorker:
         memory = self.memory.figures(self.plan.stage_layers(self.topo.stage), self.optimizer,
                                      self.topo.stage)
         cache = CacheFigures()
-        if self.prefix is not None:
-            # After this reduction every rank's cache writes have landed: the owner stores the
-            # incomplete blocks while the ranks evaluate.
+        if self.prefix is not None:  # the sum waits for every rank's writes; the owner then
             cache = CacheFigures.summed(self.comm, epoch_counters(self.prefix))
-            flush_rows(self.prefix)
+            flush_rows(self.prefix)  # stores the incomplete blocks while the ranks evaluate
         evaluated = epoch in self.settings.eval_epochs
         correct, eval_time = 0, 0.0
         if evaluated:
@@ -333,9 +331,8 @@ class ElasticWorker:
                                                self.settings.eval_batch_size, self.comm)
             if self.hooks.on_eval is not None:
                 correct = self.hooks.on_eval(epoch, correct)
-        held = store_figures(self.prefix, self.rank)  # bytes, objects
-        mine = EpochFigures(float(loss_sum), correct, epoch_time, transition, *held,
-                            memory=tuple(memory))
+        mine = EpochFigures(float(loss_sum), correct, epoch_time, transition,
+                            *store_figures(self.prefix, self.rank), memory=tuple(memory))
         return epoch_record(self.comm, layout, epoch, mine, self.norms.mean(), cache,
                             (evaluated, len(self.splits.eval), eval_time), steps, samples)
 
