@@ -387,30 +387,30 @@ def _train(cfg: RunConfig, choice: DeviceChoice | None, run_dir: Path, splits: D
     written once devices and precision are resolved, before any worker starts."""
     # The reference run's time counts building its dataset and model, as the Ray workers' does.
     t0 = built_from if cfg.engine == "reference" else time.perf_counter()
+
+    def finish(summary: RunSummary, ran: RunConfig, trained: Any = None) -> Result:
+        """Step 6 for the config the run ran (``trained``: the reference trainer's adapter;
+        None on Ray, whose parameters are in the checkpoint's shards)."""
+        export = partial(_export_model, run_dir, trained, model=ran.model, data=ran.data,
+                         seed=ran.seed, name=ran.name, splits=splits, built=adapter)
+        return Result(_finish(summary, run_dir, t0, ran.logging, export), ran, run_dir)
+
     if cfg.engine == "reference":
         assert choice is not None
         cfg = cfg.model_copy(update=choice.config_update(cfg.pipeline))
         summary, trained = _train_reference(cfg, choice.device, splits, adapter, run_dir,
                                             on_epoch)
-        summary = _finish(summary, run_dir, t0, cfg.logging, partial(
-            _export_model, run_dir, trained, model=cfg.model, data=cfg.data, seed=cfg.seed,
-            name=cfg.name, splits=splits, built=adapter))
-        return Result(summary, cfg, run_dir)
-    # The workers read the splits shipped (where they fit) and build their own model; on Ray
-    # the parameters are in the checkpoint's shards.
+        return finish(summary, cfg, trained)
+    # The workers read the splits shipped (where they fit) and build their own model.
     from pt_ray.service.trainer import run_on_ray
 
-    def finish(trained: RunSummary) -> Result:
-        ran = RunConfig.model_validate(trained.config)  # as the workers ran it
-        summary = _finish(_ray_summary(trained, on_epoch, resumed, preflight_s), run_dir, t0,
-                          ran.logging, partial(_export_model, run_dir, None, model=ran.model,
-                                               data=ran.data, seed=ran.seed, name=ran.name,
-                                               splits=splits, built=adapter))
-        return Result(summary, ran, run_dir)
+    def finish_on_ray(trained: RunSummary) -> Result:
+        return finish(_ray_summary(trained, on_epoch, resumed, preflight_s),
+                      RunConfig.model_validate(trained.config))  # as the workers ran it
 
     return run_on_ray(cfg, run_dir, worker_env, config_file=run_dir / "config.yaml",
                       choice=choice, resume_from=resumed.checkpoint if resumed else None,
-                      splits=splits, then=finish)
+                      splits=splits, then=finish_on_ray)
 
 
 def _finish(summary: RunSummary, run_dir: Path, t0: float, logging_cfg: LoggingConfig,

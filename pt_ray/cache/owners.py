@@ -175,15 +175,10 @@ class CacheActor:
         logger.info("activation cache on node %s: budget %.0f MiB of a %.0f MiB object store",
                     self.node[:8], budget / 2**20, capacity / 2**20)
 
-    def put(self, lineage: int, block: int, block_size: int, level: int, ids: np.ndarray,
-            arrays: list[np.ndarray], dtypes: list[str]) -> bool:
-        """Admit rows (see :meth:`BlockLedger.add`); returns whether they were admitted."""
-        # Copies: the arguments are views of the sender's objects, which die with it.
-        return self.put_many(lineage, [(block, block_size, level, ids, arrays, dtypes)])
-
     def put_many(self, lineage: int, items: list[tuple]) -> int:
-        """:meth:`put` for each ``(block, block_size, level, ids, arrays, dtypes)``, the blocks
-        they complete stored in one object; returns how many were admitted."""
+        """Admit rows (:meth:`BlockLedger.add_many`) for each ``(block, block_size, level, ids,
+        arrays, dtypes)``, the blocks they complete stored in one object; returns how many
+        were admitted."""
         # Copies: the arguments are views of the sender's objects, which die with it.
         return self.index.add_many(lineage, [
             (block, block_size, level,
