@@ -351,6 +351,9 @@ def run_cell(overrides: list[str]) -> dict[str, Any]:
         "num_layers": timeline[-1].num_layers,
         "bound": ideal_speedup(timeline),
         "seconds": seconds,
+        # Training time (evaluation excluded) and what the probe of ``probe`` took of it.
+        "train_seconds": sum(r.epoch_time_s for r in timeline),
+        "probe_seconds": sum(r.probe_time_s for r in timeline),
         # On a shared machine the wall time grows with the load; the CPU time does not.
         "cpu_seconds": cpu,
     }
@@ -426,6 +429,13 @@ def summarise(doc: dict[str, Any]) -> str:
                 else:
                     parts.append(f"{p} NOT within {CLOSE_POINTS} points ({d:+.2f})")
             verdicts.append(f"- {workload}: " + "; ".join(parts))
+        for policy in policies:
+            shares = [c["probe_seconds"] / c["train_seconds"] for c in cells
+                      if c["workload"] == workload and c["policy"] == policy
+                      and c.get("probe_seconds")]
+            if shares:
+                verdicts.append(f"- {workload}, {policy}: the probe took {100 * max(shares):.1f}% "
+                                f"of the training time (the largest share over seeds)")
         up = next((c["upstream"] for c in doc["cells"]
                    if c["workload"] == workload and "upstream" in c), None)
         if up is not None:

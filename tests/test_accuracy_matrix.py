@@ -39,6 +39,7 @@ def test_tiny_matrix_writes_every_cell_and_the_table(tmp_path, capsys):
         assert all(0.0 <= m <= 1.0 for m in cell["metrics"])
         assert cell["final_metric"] == cell["metrics"][-1]
         assert cell["num_layers"] == 3 and cell["seconds"] > 0
+        assert cell["train_seconds"] > 0 and cell["probe_seconds"] == 0  # neither probes
         assert "freeze.policy=" + cell["policy"] in cell["overrides"]
 
     none, schedule = cells["default", "none", 0], cells["default", "schedule", 0]
@@ -243,6 +244,22 @@ def test_the_table_says_what_the_pre_training_took():
             "run) and scored 90.20% on its eval split") in table
     cells[0]["upstream"] = {**upstream, "reused": True}
     assert "trained by an earlier run" in accuracy_matrix.summarise({"cells": cells})
+
+
+@pytest.mark.unit
+def test_the_table_gives_the_probes_largest_share_of_training_time():
+    cells = [{"workload": "fashion-transfer", "policy": p, "seed": seed, "final_metric": 0.9,
+              "metrics": [0.9], "num_frozen": [0], "num_layers": 6, "bound": 1.0,
+              "train_seconds": 100.0, "probe_seconds": probe}
+             for p, seed, probe in (("none", 0, 0.0), ("probe", 0, 2.5), ("probe", 1, 4.0))]
+    table = accuracy_matrix.summarise({"cells": cells})
+    assert ("- fashion-transfer, probe: the probe took 4.0% of the training time (the largest "
+            "share over seeds)") in table
+    assert "none: the probe" not in table
+    # Cells saved before the probe was timed carry neither figure.
+    for c in cells:
+        del c["train_seconds"], c["probe_seconds"]
+    assert "the probe took" not in accuracy_matrix.summarise({"cells": cells})
 
 
 # -- the workloads on Debian's data packages -----------------------------------------------------

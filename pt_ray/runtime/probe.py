@@ -84,7 +84,11 @@ class Probe:
         with self._put_back(layout):
             reverted = self._loss(layout)
         self.kept = None
-        self.seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        if layout.topo.rank == 0:
+            logger.info("probe: %d blocks tested on %d samples in %.3f s",
+                        layout.plan.probe_blocks, len(self.indices), seconds)
         return {PROBE_NOW: now, PROBE_REVERTED: reverted}
 
     def take_seconds(self) -> float:

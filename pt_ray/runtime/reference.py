@@ -134,6 +134,7 @@ class ReferenceProbe:
         self.batch_size, self.precision = batch_size, precision
         self.kept: dict[str, list[torch.Tensor]] | None = None
         self.start_frozen = 0
+        self.seconds = 0.0  # spent measuring since the last epoch's record
 
     def start(self, num_frozen: int, blocks: int) -> None:
         """Keep the ``blocks`` leading active blocks as they are now (none: no test)."""
@@ -148,6 +149,7 @@ class ReferenceProbe:
         shrunk the frozen prefix since it began)."""
         if self.kept is None or num_frozen != self.start_frozen:
             return {}
+        t0 = time.perf_counter()
         modules = dict(iter_layers(self.adapter))
         now = self._loss()
         current = {n: [p.detach().clone() for p in modules[n].parameters()] for n in self.kept}
@@ -160,7 +162,16 @@ class ReferenceProbe:
                 for p, k in zip(modules[n].parameters(), now_params):
                     p.copy_(k)
         self.kept = None
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        logger.info("probe: %d blocks tested on %d samples in %.3f s", len(current),
+                    len(self.indices), seconds)
         return {PROBE_NOW: now, PROBE_REVERTED: reverted}
+
+    def take_seconds(self) -> float:
+        """Seconds spent measuring since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     @torch.no_grad()
     def _loss(self) -> float:
@@ -499,6 +510,7 @@ class ReferenceTrainer:
             eval_metric=metric,
             eval_time_s=time.perf_counter() - t1,
             mean_frozen=frozen_steps / max(len(losses), 1),
+            probe_time_s=self.probe.take_seconds() if self.probe is not None else 0.0,
         )
 
     def fit(self, on_epoch: Callable[[EpochRecord], None] | None = None) -> list[EpochRecord]:
