@@ -115,8 +115,7 @@ def test_peer_trains_pt_rays_model_and_reports_each_epoch(ray_cluster, tmp_path)
         assert rec["epoch_time_s"] > 0 and rec["transition_time_s"] == 0
         assert rec["num_replicas"] == 2 and rec["num_layers"] == 2
         # An epoch has pt-ray's steps (throughput is their samples / training time).
-        steps = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed,
-                                 511, cfg.epochs).steps_per_epoch
+        steps = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed, 511).steps_per_epoch
         assert rec["throughput_samples_per_s"] * rec["epoch_time_s"] == pytest.approx(steps * 32)
     # Trains: the loss falls, and the accuracy on class templates plus noise lands well above
     # chance (0.25).
@@ -261,7 +260,7 @@ def test_the_peer_on_pt_rays_order_gets_pt_rays_batches(tmp_path):
 
     cfg = tiny_config(tmp_path, seed=3)
     n, world, per_worker = 511, 2, 16
-    pt_ray_order = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed, n, cfg.epochs)
+    pt_ray_order = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed, n)
     loaders = []
     for rank in range(world):
         sampler = peer_ddp.PtRayOrder(cfg, n, rank, world)

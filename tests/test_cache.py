@@ -51,7 +51,7 @@ def test_the_order_is_the_plain_permutation_cache_on_or_off():
     plain = GlobalSampler(1000, 32, seed=3)
     for cache in ({"mode": "on"}, {"mode": "auto"}, {"mode": "off"}, {"block_size": 8}):
         c = cfg(data={"batch_size": 32}, seed=3, cache=cache)
-        sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, 1000, c.epochs)
+        sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, 1000)
         for epoch in range(3):
             np.testing.assert_array_equal(sampler.epoch_order(epoch), plain.epoch_order(epoch))
     # So a step's samples fall in many cache blocks: about min(batch, blocks) of the 15 here.
@@ -253,8 +253,7 @@ def test_hits_advances_and_misses_equal_the_prefix_bit_for_bit(model):
     c, splits, adapter = model
     blocks = CacheBlocks(len(splits.train), 8, seed=0)
     prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"))
-    order = training_sampler(c.freeze, c.data.batch_size, c.seed,
-                             len(splits.train), c.epochs).epoch_order(0)
+    order = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train)).epoch_order(0)
     idx = order[:16]
     expect = {n: plain_prefix(adapter, splits.train.batch(idx.tolist()).inputs, n)
               for n in (2, 3)}
@@ -282,7 +281,7 @@ def test_hits_advances_and_misses_equal_the_prefix_bit_for_bit(model):
 def test_full_store_and_evicted_entries_are_misses_with_the_right_rows(model):
     c, splits, adapter = model
     blocks = CacheBlocks(len(splits.train), 8, seed=0)
-    sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train), c.epochs)
+    sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train))
     idx = sampler.epoch_order(0)[:16]
     want = plain_prefix(adapter, splits.train.batch(idx.tolist()).inputs, 2)
     tiny = CachedPrefix(adapter, InMemoryStore(budget_bytes=64), blocks, torch.device("cpu"))
@@ -307,7 +306,7 @@ def test_prefix_cost_accounting_splits_reads_compute_and_writes(model):
     c, splits, adapter = model
     blocks = CacheBlocks(len(splits.train), 8, seed=0)
     prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"))
-    sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train), c.epochs)
+    sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train))
     idx = sampler.epoch_order(0)[:16]
     run(prefix, splits, 2, idx)                            # misses: compute + writes
     prefix.store.flush()
@@ -329,8 +328,7 @@ def test_a_last_epoch_serves_what_is_cached_and_keeps_nothing_new(model):
     blocks = CacheBlocks(len(splits.train), 8, seed=0)
     tier = RowTable(len(splits.train), 10**6, torch.device("cpu"), name="host")
     prefix = CachedPrefix(adapter, InMemoryStore(), blocks, torch.device("cpu"), tiers=[tier])
-    order = training_sampler(c.freeze, c.data.batch_size, c.seed,
-                             len(splits.train), c.epochs).epoch_order(0)
+    order = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train)).epoch_order(0)
     first, rest = order[:16], order[16:32]
     run(prefix, splits, 2, first)                        # an earlier epoch caches 16 rows
     prefix.flush_pending()
@@ -467,7 +465,7 @@ def test_a_plain_order_step_gathers_its_rows_from_many_blocks(model):
     store = InMemoryStore()
     prefix = CachedPrefix(adapter, store, blocks, torch.device("cpu"))
     # 3 steps of 16
-    sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train), c.epochs)
+    sampler = training_sampler(c.freeze, c.data.batch_size, c.seed, len(splits.train))
     steps = [sampler.step_indices(0, s) for s in range(sampler.steps_per_epoch)]
     assert min(len(np.unique(blocks.block_of[idx])) for idx in steps) >= 4
     for s, idx in enumerate(steps):

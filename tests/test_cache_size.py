@@ -130,8 +130,7 @@ def test_a_cache_sized_from_the_store_serves_every_read_after_its_first_epoch():
         prefix = cached_prefix_for(cfg.cache, cfg.freeze, cfg.seed, adapter, store,
                                    len(splits.train), True, torch.device("cpu"), None,
                                    Precision("fp32"))
-        sampler = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed,
-                                   len(splits.train), cfg.epochs)
+        sampler = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed, len(splits.train))
         rates, reads = [], []
         for epoch in range(count):
             asked = len(store.asked)

@@ -504,7 +504,7 @@ def train_rank_probing(rank, world, cfg):
     adapter = build_model_for(cfg.model, cfg.seed, splits)
     # Steps as the sampler counts them: the probe split is never drawn.
     steps = training_sampler(cfg.freeze, cfg.data.batch_size, cfg.seed,
-                             len(splits.train), cfg.epochs).steps_per_epoch
+                             len(splits.train)).steps_per_epoch
     control = build_control_state(run_settings(cfg).control, adapter.num_layers, world, steps)
     seen = []
     _recording(control.policy, seen)

@@ -201,7 +201,7 @@ def test_baseline_reads_the_alpha_trials_batches_with_the_cache_on():
     assert (alpha.cache.mode, base.freeze.policy) == ("on", "none")
 
     def order(c):
-        return training_sampler(c.freeze, c.data.batch_size, c.seed, 64, c.epochs)
+        return training_sampler(c.freeze, c.data.batch_size, c.seed, 64)
 
     for epoch in range(3):
         assert (order(alpha).epoch_order(epoch).tolist()

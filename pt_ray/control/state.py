@@ -22,8 +22,8 @@ from pt_ray.cache.size import memo_limit
 from pt_ray.core.config import CacheConfig, FreezeConfig, PipelineConfig
 from pt_ray.costs.costmodel import CacheLayout
 from pt_ray.costs.costplan import CostModelPlanner, cache_break_even
-from pt_ray.core.freeze import (AUTO_DECISIONS, FreezeGuard, FreezePolicy, FreezeSettings,
-                                GuardVerdict, policy_class, policy_traits)
+from pt_ray.core.freeze import (FreezeGuard, FreezePolicy, FreezeSettings, GuardVerdict,
+                                policy_class, policy_traits)
 from pt_ray.costs.hwprofile import HardwareProfile, load_hardware
 from pt_ray.core.plan import (
     CostTable,
@@ -440,6 +440,9 @@ def decision_interval(settings: DecisionSettings, steps_per_epoch: int) -> int |
         k = -(-steps_per_epoch // per_epoch)
     return k if k < steps_per_epoch else None
 
+
+AUTO_DECISIONS = 16
+"""``freeze.interval=auto``: the decisions a run shorter than :data:`AUTO_MIN_EPOCHS` gets."""
 
 AUTO_MIN_EPOCHS = 8
 """``freeze.interval=auto`` decides per epoch in runs of at least this many epochs."""

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from pt_ray.core.config import FreezeConfig
 
 __all__ = [
-    "AUTO_DECISIONS",
     "FREEZE_POLICIES",
     "LOSS_KEY",
     "ConvergedFreeze",
@@ -88,10 +87,6 @@ _EPS = 1e-9
 LOSS_KEY = -1
 """The key under which a decision's inputs carry the interval's mean training loss, beside the
 per-block gradient norms (block indices are never negative)."""
-
-AUTO_DECISIONS = 16
-"""``freeze.interval=auto``: the decisions a run shorter than eight epochs gets
-(:func:`pt_ray.control.state.decision_interval`); ``probe`` gets them in runs of any length."""
 
 PROBE_NOW = -2
 """Inputs key: the interval's probe loss with the parameters as they are at its end."""

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from pt_ray.core.config import FreezeConfig
-from pt_ray.core.freeze import AUTO_DECISIONS, policy_traits
+from pt_ray.core.freeze import policy_traits
 
 __all__ = [
     "CacheBlocks",
@@ -252,47 +252,29 @@ class GlobalSampler:
         )
 
 
-def training_sampler(freeze: FreezeConfig, batch_size: int, seed: int, num_samples: int,
-                     epochs: int) -> GlobalSampler:
+def training_sampler(freeze: FreezeConfig, batch_size: int, seed: int,
+                     num_samples: int) -> GlobalSampler:
     """The run's global sampler over a training split of ``num_samples``, in batches of
     ``batch_size`` (B), drawn from the run's ``seed`` (the reference trainer and every rank
     build the same one, cache on or off), the probe split of the ``freeze`` section's policy
-    for a run of ``epochs`` left out (:func:`probe_indices`)."""
+    left out (:func:`probe_indices`)."""
     return GlobalSampler(num_samples, batch_size, seed,
-                         held_out=probe_indices(freeze, seed, num_samples, epochs))
+                         held_out=probe_indices(freeze, seed, num_samples))
 
 
 PROBE_MAX_FRACTION = 0.1
 """The probe split takes at most this share of the training split."""
 
-PROBE_MAX_SHARE = 0.04
-"""The probe's work is sized to at most this share of the training's (as predicted below).
 
-Each of the run's :data:`~pt_ray.core.freeze.AUTO_DECISIONS` tests pipes the probe twice,
-forward only; a training sample costs about three forwards (forward and backward). Measured on
-``fashion-transfer`` (30,000 training images, 3 epochs, reference trainer): 512 probe samples
-took 5.5% of the training time, as this model predicts (5.3%); 4% leaves room under 5%."""
-
-PROBE_MIN_SAMPLES = 128
-"""The budget never shrinks the probe below this many samples (or the tenth of the split, when
-smaller): fewer would make one interval's test mostly noise. Short runs on small sets pay more
-than :data:`PROBE_MAX_SHARE` for it."""
-
-
-def probe_indices(freeze: FreezeConfig, seed: int, num_samples: int, epochs: int) -> np.ndarray:
+def probe_indices(freeze: FreezeConfig, seed: int, num_samples: int) -> np.ndarray:
     """The training samples held out as the probe under ``freeze.policy=probe``: the first
-    ``min(freeze.probe_samples, num_samples / 10, budget)`` of a permutation drawn from the seed
-    alone (every epoch, rank and engine holds out the same ones), sorted; empty under policies
-    without a probe split (:attr:`pt_ray.core.freeze.PolicyTraits.probe_split`). The budget is
-    what keeps the probe's work within :data:`PROBE_MAX_SHARE` of a run of ``epochs`` over
-    ``num_samples``, at least :data:`PROBE_MIN_SAMPLES`."""
+    ``min(freeze.probe_samples, num_samples / 10)`` of a permutation drawn from the seed alone
+    (every epoch, rank and engine holds out the same ones), sorted; empty under policies
+    without a probe split (:attr:`pt_ray.core.freeze.PolicyTraits.probe_split`)."""
     f = freeze
     if not policy_traits(f.policy).probe_split:
         return np.zeros(0, dtype=np.int64)
-    # 2 passes x P x decisions <= share x 3 forwards x samples x epochs
-    budget = int(PROBE_MAX_SHARE * 3 * num_samples * epochs / (2 * AUTO_DECISIONS))
-    count = min(f.probe_samples, int(num_samples * PROBE_MAX_FRACTION),
-                max(budget, PROBE_MIN_SAMPLES))
+    count = min(f.probe_samples, int(num_samples * PROBE_MAX_FRACTION))
     draw = np.random.default_rng([seed, 2**20]).permutation(num_samples)[:count]
     return np.sort(draw).astype(np.int64)
 

@@ -140,7 +140,7 @@ class ElasticWorker:
         self.fixed_costs = costs
         freeze = settings.decisions.freeze
         self.sampler = training_sampler(freeze, settings.batch_size, settings.seed,
-                                        len(splits.train), settings.epochs)
+                                        len(splits.train))
         self.settings = settings
         steps = self.sampler.steps_per_epoch
         self.norms = GradNormMeter()
@@ -170,8 +170,7 @@ class ElasticWorker:
         # The model stays on the host, where the adapter built it, until the first plan says
         # which layers this rank holds: only those reach the device (:mod:`.owned`).
         self.memory = MemoryMeter(self.modules, self.device)
-        self.probe = probe_for(probe_indices(freeze, settings.seed, len(splits.train),
-                                             settings.epochs), splits,
+        self.probe = probe_for(probe_indices(freeze, settings.seed, len(splits.train)), splits,
                                settings.eval_batch_size, self.comm)
 
     # The layout in force, as the rest of the engine (and tests) read it.

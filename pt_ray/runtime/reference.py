@@ -212,7 +212,7 @@ def build_reference(
     splits = splits or build_dataset(s.data, seed=seed, tokenizer_dir=s.model.weights)
     adapter = adapter or build_model_for(s.model, seed, splits)
     # The run's order, as the engine's (the same with the cache on or off).
-    sampler = training_sampler(freeze, s.batch_size, seed, len(splits.train), s.epochs)
+    sampler = training_sampler(freeze, s.batch_size, seed, len(splits.train))
     # With the pipeline pinned (pipeline.elastic=false) the Ray run freezes at most L - K0.
     layers = adapter.num_layers
     pinned = (None if s.pinned_length is None
@@ -221,7 +221,7 @@ def build_reference(
                                   pinned_length=pinned)
     return ReferenceTrainer(settings, splits=splits, adapter=adapter, policy=policy,
                             sampler=sampler,
-                            probe_samples=probe_indices(freeze, seed, len(splits.train), s.epochs),
+                            probe_samples=probe_indices(freeze, seed, len(splits.train)),
                             on_step_report=on_step_report)
 
 
