@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from pt_ray.core.config import RunConfig, build_config
-from pt_ray.core.freeze import LOSS_KEY
+from pt_ray.core.freeze import LOSS_KEY, PROBE_NOW, PROBE_REVERTED
 from pt_ray.data import DatasetSplits, GlobalSampler, TensorSampleDataset, synthetic_image
+from pt_ray.data.base import finish_batch, gather_stored
 from pt_ray.models import build_adapter, frozen_layer_names, layer_module
+from pt_ray.models.base import forward_layers
 from pt_ray.runtime.reference import build_reference, evaluate
 from pt_ray.service.settings import run_settings
 
@@ -471,3 +473,50 @@ def test_eval_every_scores_every_kth_epoch_and_the_last(monkeypatch):
     # Skipping an evaluation changes nothing else: the scored epochs and losses agree.
     assert [r.eval_metric for r in every][2:] == [r.eval_metric for r in always][2:]
     assert [r.train_loss for r in every] == [r.train_loss for r in always]
+
+
+def test_the_probe_shares_the_prefix_only_while_it_cannot_change():
+    # The state entering the tested blocks is kept: for both passes of a test, and across
+    # tests once blocks are frozen. Each figure must equal the whole model run afresh.
+    trainer = build_reference(run_settings(vit_config(
+        freeze=dict(policy="probe", probe_samples=24))).reference)
+    probe, adapter = trainer.probe, trainer.adapter
+    assert probe is not None and len(probe.indices) == 24
+    probe.batch_size = 10  # three batches, the last short
+
+    @torch.no_grad()
+    def whole_model_loss() -> float:
+        adapter.model.eval()
+        batch = finish_batch(probe.dataset, gather_stored(probe.dataset, probe.indices.tolist()))
+        loss = float(adapter.loss(forward_layers(adapter, batch.inputs), batch.target))
+        adapter.model.train()
+        return loss
+
+    def nudge(*modules: nn.Module) -> None:  # an interval's training, as far as the probe sees
+        with torch.no_grad():
+            for m in modules:
+                for p in m.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+
+    def test(num_frozen: int, tested: int, *trained: nn.Module) -> dict[int, float]:
+        probe.start(num_frozen, tested)
+        before = [_clone_params(adapter.blocks[i]) for i in range(num_frozen, num_frozen + tested)]
+        nudge(*trained)
+        figures = probe.measure(num_frozen)
+        assert figures[PROBE_NOW] == pytest.approx(whole_model_loss(), abs=1e-6)
+        now = [_clone_params(adapter.blocks[i]) for i in range(num_frozen, num_frozen + tested)]
+        for i, kept in enumerate(before):  # the tested blocks as the interval found them
+            adapter.blocks[num_frozen + i].load_state_dict(kept)
+        assert figures[PROBE_REVERTED] == pytest.approx(whole_model_loss(), abs=1e-6)
+        for i, trained_now in enumerate(now):
+            adapter.blocks[num_frozen + i].load_state_dict(trained_now)
+        return figures
+
+    torch.manual_seed(0)
+    blocks = adapter.blocks
+    test(0, 2, adapter.embed, blocks[0], blocks[1], blocks[2])
+    test(0, 1, adapter.embed, blocks[0])  # the embedding moved: the kept state is stale
+    first = test(1, 1, blocks[1], blocks[3])
+    second = test(1, 1, blocks[1], blocks[2])  # block 0 and the embedding frozen: kept
+    assert first[PROBE_NOW] != second[PROBE_NOW]
+    test(2, 1, blocks[2])  # one more block frozen: computed again

@@ -25,6 +25,7 @@ from pt_ray.core.freeze import PROBE_NOW, PROBE_REVERTED
 from pt_ray.core.plan import Plan
 from pt_ray.data.base import DatasetSplits, SampleDataset
 from pt_ray.data.sampler import split_for_replica
+from pt_ray.models.base import State
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.layout import Layout
 from pt_ray.runtime.records import pipe_score
@@ -62,6 +63,11 @@ class Probe:
         self.comm = comm
         self.kept: dict[str, list[torch.Tensor]] | None = None
         self.seconds = 0.0  # spent measuring since the last read (:meth:`take_seconds`)
+        # Stage 0: each probe batch's state after the prefix, for the frozen count and replica
+        # of ``starts_for``: a test's two passes share it, and while blocks are frozen (the
+        # prefix then never changes: a rollback ends the tests) so do later tests.
+        self.starts: list[State] = []
+        self.starts_for: tuple[int, int, int] | None = None
 
     def start(self, layout: Layout, plan: Plan) -> None:
         """Enter ``plan``'s interval: keep the tested blocks this rank holds as they are now
@@ -80,6 +86,10 @@ class Probe:
         if self.kept is None:
             return {}
         t0 = time.perf_counter()
+        plan = layout.plan
+        key = (plan.num_frozen, layout.topo.replica, plan.num_replicas)
+        if key != self.starts_for or not plan.num_frozen:  # the embedding still trains
+            self.starts, self.starts_for = [], key
         now = self._loss(layout)
         with self._put_back(layout):
             reverted = self._loss(layout)
@@ -101,7 +111,8 @@ class Probe:
         mine = split_for_replica(self.indices, layout.topo.replica, layout.plan.num_replicas)
         batches = [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
         total = pipe_score(layout, self.dataset, batches, self.comm,
-                           lambda out, target: layout.adapter.loss(out, target) * len(target))
+                           lambda out, target: layout.adapter.loss(out, target) * len(target),
+                           self.starts)
         # Replicas' last stages hold their shares: the sum over WORLD is the probe's.
         return float(self.comm.all_reduce(total.reshape(1))[0]) / len(self.indices)
 

@@ -19,6 +19,7 @@ from pt_ray.data.base import (
     gather_targets,
 )
 from pt_ray.data.sampler import eval_shards
+from pt_ray.models.base import State
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.layout import Layout, to_device_batch
 from pt_ray.runtime.memory import FIELDS, rank_memory
@@ -47,22 +48,28 @@ def count_correct(layout: Layout, splits: DatasetSplits, batch_size: int,
 
 @torch.no_grad()
 def pipe_score(layout: Layout, dataset: SampleDataset, batches: list[np.ndarray], comm: Comm,
-               score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+               score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               starts: list[State] | None = None) -> torch.Tensor:
     """Pipe this replica's ``batches`` of ``dataset`` through its stages in eval mode and sum
     ``score(output, target)`` over them on the last stage (0 elsewhere); the modes of the layout
-    are restored after."""
+    are restored after. ``starts`` (stage 0): each batch's state after the stage's prefix (the
+    embedding and the frozen blocks), read where held, else computed and appended, so that a
+    second pass over the same batches with only later blocks changed skips the prefix."""
     topo, device, adapter = layout.topo, layout.device, layout.adapter
     adapter.model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     prev = topo.pipeline_ranks[topo.stage - 1] if not topo.is_first_stage else None
     nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
-    for idx in batches:
+    for i, idx in enumerate(batches):
         if topo.is_first_stage:
-            stored = to_device_batch(gather_stored(dataset, idx.tolist()), device)
-            inputs = finish_batch(dataset, stored).inputs
-            if layout.stage.state_inputs:  # the cache is read by training steps only
-                inputs = layout.stage.run_prefix(*inputs)
-            out = layout.stage(*inputs)
+            if starts is not None and i < len(starts):
+                state = starts[i]
+            else:  # the cache is read by training steps only
+                stored = to_device_batch(gather_stored(dataset, idx.tolist()), device)
+                state = layout.stage.run_prefix(*finish_batch(dataset, stored).inputs)
+                if starts is not None:
+                    starts.append(state)
+            out = layout.stage.run_from(*state)
         else:
             out = layout.stage(*comm.recv(prev, device))
         if nxt is not None:

@@ -50,6 +50,7 @@ from pt_ray.core.freeze import (
 )
 from pt_ray.models.base import (
     ModelAdapter,
+    State,
     forward_layers,
     frozen_layer_names,
     iter_layers,
@@ -118,7 +119,9 @@ class ReferenceProbe:
     """The probe of ``freeze.policy=probe`` in one process, written apart from the engine's
     (:class:`pt_ray.runtime.probe.Probe`), which it checks: the tested blocks' parameters
     copied at an interval's start, and at its end the mean probe loss as they are and with the
-    tested blocks put back.
+    tested blocks put back. The state entering the tested blocks is computed once for both:
+    once per test while the embedding trains, once per frozen count after (the frozen prefix
+    never changes while tests go on; a rollback ends them).
 
     Args:
         adapter: the model.
@@ -135,6 +138,8 @@ class ReferenceProbe:
         self.kept: dict[str, list[torch.Tensor]] | None = None
         self.start_frozen = 0
         self.seconds = 0.0  # spent measuring since the last epoch's record
+        self.starts: list[tuple[State, torch.Tensor]] = []  # (state, target) a probe batch
+        self.starts_for = -1  # the frozen count of ``starts``
 
     def start(self, num_frozen: int, blocks: int) -> None:
         """Keep the ``blocks`` leading active blocks as they are now (none: no test)."""
@@ -150,6 +155,8 @@ class ReferenceProbe:
         if self.kept is None or num_frozen != self.start_frozen:
             return {}
         t0 = time.perf_counter()
+        if num_frozen != self.starts_for or not num_frozen:
+            self.starts, self.starts_for = [], num_frozen
         modules = dict(iter_layers(self.adapter))
         now = self._loss()
         current = {n: [p.detach().clone() for p in modules[n].parameters()] for n in self.kept}
@@ -175,15 +182,21 @@ class ReferenceProbe:
 
     @torch.no_grad()
     def _loss(self) -> float:
-        modes = {m: m.training for m in self.adapter.model.modules()}
-        self.adapter.model.eval()
+        a, n = self.adapter, self.start_frozen
+        modes = {m: m.training for m in a.model.modules()}
+        a.model.eval()
         total = 0.0
-        for s in range(0, len(self.indices), self.batch_size):
-            idx = self.indices[s:s + self.batch_size].tolist()
-            batch = finish_batch(self.dataset, gather_stored(self.dataset, idx))
+        for i, s in enumerate(range(0, len(self.indices), self.batch_size)):
+            if i == len(self.starts):
+                idx = self.indices[s:s + self.batch_size].tolist()
+                batch = finish_batch(self.dataset, gather_stored(self.dataset, idx))
+                with self.precision.autocast():
+                    self.starts.append((run_blocks(a.blocks[:n], a.embed(*batch.inputs)),
+                                        batch.target))
+            state, target = self.starts[i]
             with self.precision.autocast():
-                out = forward_layers(self.adapter, batch.inputs)
-            total += float(self.adapter.loss(out, batch.target)) * len(idx)
+                out = a.head(*run_blocks(a.blocks[n:], state))
+            total += float(a.loss(out, target)) * len(target)
         for m, mode in modes.items():
             m.training = mode
         return total / len(self.indices)

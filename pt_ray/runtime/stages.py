@@ -138,6 +138,11 @@ class StageModule(nn.Module):
         previous stage's state. Returns the next state, or the model output on the last
         stage."""
         state = self.run_prefix(*args) if self.is_first and not self.state_inputs else args
+        return self.run_from(*state)
+
+    def run_from(self, *state: torch.Tensor) -> State | torch.Tensor:
+        """The stage after stage 0's prefix (:meth:`run_prefix`): its trainable blocks, and the
+        head on the last stage."""
         with self.precision.autocast():
             state = run_blocks(self.blocks, state, self.recompute)
             if self.is_last:
