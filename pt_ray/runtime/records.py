@@ -64,7 +64,7 @@ def pipe_score(layout: Layout, dataset: SampleDataset, batches: list[np.ndarray]
         if topo.is_first_stage:
             if starts is not None and i < len(starts):
                 state = starts[i]
-            else:  # the cache is read by training steps only
+            else:  # the prefix computed: the activation cache serves training steps only
                 stored = to_device_batch(gather_stored(dataset, idx.tolist()), device)
                 state = layout.stage.run_prefix(*finish_batch(dataset, stored).inputs)
                 if starts is not None:
