@@ -49,6 +49,9 @@ def test_tiny_matrix_writes_every_cell_and_the_table(tmp_path, capsys):
     # The bound of this timeline: per epoch, 3 units per active block and 1 per frozen one.
     run = sum(3 * (3 - n) + n for n in frozen)
     assert schedule["bound"] == pytest.approx(9 * len(frozen) / run) and schedule["bound"] > 1
+    cached = sum(3 * (3 - n) for n in frozen)  # a cached frozen block costs nothing
+    assert schedule["bound_cached"] == pytest.approx(9 * len(frozen) / cached)
+    assert none["bound_cached"] == 1.0
 
     table = (tmp_path / "accuracy_matrix.md").read_text()
     rows = [r for r in table.splitlines() if r.startswith("| default |")]
@@ -56,6 +59,7 @@ def test_tiny_matrix_writes_every_cell_and_the_table(tmp_path, capsys):
     assert f"{100 * none['final_metric']:.2f}" in rows[0]
     delta = 100 * (schedule["final_metric"] - none["final_metric"])
     assert f"{delta:+.2f}" in rows[1]
+    assert f"| {schedule['bound']:.2f}x | {schedule['bound_cached']:.2f}x |" in rows[1]
     assert "- default: schedule " in table
     out = capsys.readouterr().out
     assert "[2/2] default" in out and table in out
