@@ -544,7 +544,7 @@ def test_probe_decisions_inside_epochs_match_the_reference():
     assert timeline[-1].num_frozen > 0
     assert [r.num_frozen for r in timeline] == [r.num_frozen for r in ref_timeline]
     assert_same_parameters([(r[0], r[1]) for r in results], cfg)
-    # Both record what the probe took, inside the training time it is a share of.
+    # Both record what the probe took, each epoch less than its training time.
     for line in (timeline, ref_timeline):
         assert sum(r.probe_time_s for r in line) > 0
         assert all(0 <= r.probe_time_s < r.epoch_time_s for r in line)
