@@ -121,6 +121,87 @@ def test_an_epochs_end_stores_its_incomplete_blocks_in_one_object(ray_cluster):
     ray.kill(actor)
 
 
+class Names:
+    """A store's way to the owners' names: ``{}`` until :meth:`up`, as a controller answers
+    before its owners answer; records how it was asked."""
+
+    def __init__(self):
+        self.names: dict[str, str] = {}
+        self.asked: list[bool] = []
+
+    def __call__(self, wait):
+        self.asked.append(wait)
+        return self.names
+
+    def up(self, name):
+        self.names = {ray.get_runtime_context().get_node_id(): name}
+
+
+def test_writes_made_while_the_owners_start_are_held_then_land_and_steps_never_wait(ray_cluster):
+    names = Names()
+    store = RayStore(names, batch_bytes=1, max_inflight=3, ask_every_s=3600)
+    assert names.asked == []  # nothing asked before the cache is used
+    store.write(0, 2, 1, *rows([0, 1], 1), ["float32"])   # held in this node's store
+    assert store.read([0], 1) == []                       # a miss, not a wait
+    store.write(1, 2, 1, *rows([2, 3], 1), ["float32"])
+    store.write(2, 2, 1, *rows([4, 5], 1), ["float32"])
+    store.write(3, 2, 1, *rows([6, 7], 1), ["float32"])   # past max_inflight: dropped
+    # Within a step the store asked once, without waiting (then not again for ask_every_s).
+    assert names.asked == [False]
+    name, actor = new_cache()
+    names.up(name)
+    store.drain()  # the epoch's end asks, waiting: the held rows land
+    assert names.asked == [False, True]
+    assert [s.block for s in store.read(range(4), 1)] == [0, 1, 2]
+    stats = store.stats()
+    assert (stats.objects, stats.refused_rows) == (3, 2)  # block 3's two rows never sent
+    ray.kill(actor)
+
+
+def test_the_owners_start_when_a_plan_first_reads_the_cache_and_die_with_the_controller(
+        ray_cluster, tmp_path):
+    from pt_ray.cache.owners import cache_name, cache_nodes
+    from pt_ray.core.plan import CostTable
+    from pt_ray.service.controller import ControllerActor, RayController, controller_name
+
+    # freeze.policy=schedule freezes at decision 1 (after its warmup epoch), cache.mode=on
+    # reads the cache from the first frozen block.
+    cfg = job(tmp_path, pipeline={"num_workers": 1, "policy": "paper"})
+    assert cfg.cache.mode == "on"
+    run = f"owners-{uuid.uuid4().hex[:8]}"
+    actor = ControllerActor.options(name=controller_name(run)).remote(
+        cfg.model_dump(mode="json"), None, run)
+    handle = RayController(controller_name(run), timeout_s=60)
+    handle.setup(4, 1, 8, "accuracy", "local-cpu")
+    handle.submit_costs(0, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
+    assert not handle.plan_for(0).cache
+    owner_names = [cache_name(run, node) for node in cache_nodes()]
+
+    def started() -> list[str]:
+        found = []
+        for name in owner_names:
+            try:
+                ray.get_actor(name)
+                found.append(name)
+            except ValueError:
+                pass
+        return found
+
+    assert handle.cache_owners(True) == {} and started() == []  # no plan reads the cache yet
+    handle.submit_norms(0, 0, {b: 1.0 for b in range(4)}, None)
+    assert handle.plan_for(1).cache
+    named = handle.cache_owners(True)  # waits until every owner answers
+    assert sorted(named.values()) == sorted(owner_names) == started()
+    assert ray.get([ray.get_actor(n).lineage.remote() for n in owner_names]) == [0] * len(
+        owner_names)
+    # The driver kills the controller at the end; its owners go with it.
+    ray.kill(actor)
+    deadline = time.monotonic() + 60
+    while started():
+        assert time.monotonic() < deadline, "the cache owners outlived their controller"
+        time.sleep(0.2)
+
+
 @ray.remote(num_cpus=0)
 class Owner:
     def make(self):

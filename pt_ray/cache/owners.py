@@ -2,9 +2,10 @@
 
 An object belongs to the process that ``ray.put`` it and dies with it (``ray.put`` takes no
 other owner: its ``_owner=`` argument raises), and Ray Train's workers die at every restart.
-So the driver creates one :class:`CacheActor` per node that may run a worker
-(:func:`create_owners`), pinned there (node affinity, not soft), beside the controller; each
-owns the cache objects of its node:
+So the run's controller creates one :class:`CacheActor` per node that may run a worker
+(:func:`create_owners`), pinned there (node affinity, not soft), when the cache first turns
+on: a run whose cache never turns on starts none, and none starts beside Ray Train's worker
+group. Each owns the cache objects of its node:
 
 1. a stage-0 worker ``ray.put`` s the rows it computed, a few MiB per object, into its node's
    store, and hands the reference to its own node's owner without waiting (``put_refs``; a
@@ -35,12 +36,17 @@ after the first epoch at a depth local, at the cost of each node's store holding
 cache (its own budget refuses what does not fit, and those rows are read from the owner that
 has them).
 
-A node without a live owner writes to and reads from another node's owner (remote): a node
-that joined after the start (the driver creates the owners before Ray Train's ``fit`` and
-waits inside it; an owner made by a worker would die with it), or one whose owner died before
-its worker started. The figures count each row once: ``bytes`` and
-``objects`` are the cache's distinct contents (:func:`pt_ray.cache.store.distinct_figures`),
-``stored_bytes`` what every node's store holds together, copies included.
+A worker finds the owners once the controller names them, after they answer: until then
+(a second or so after the cache turns on) its reads are misses and its writes wait in its
+node's store, and at the epoch's end it waits for them before it drains, so no row is lost
+to their start. A node without a live owner writes to and reads from another node's owner
+(remote): a node that joined after the owners started, or one whose owner died. The owners
+belong to the controller: a controller Ray restarts starts them again, empty (the rows they
+held, and what workers that found the old ones write until they restart, are misses).
+
+The figures count each row once: ``bytes`` and ``objects`` are the cache's distinct contents
+(:func:`pt_ray.cache.store.distinct_figures`), ``stored_bytes`` what every node's store holds
+together, copies included.
 
 Any failure (an owner gone, an object lost or evicted, a timeout) reads as a miss and the
 prefix is recomputed: never a crash, never a wrong row.
@@ -49,7 +55,8 @@ prefix is recomputed: never a crash, never a wrong row.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -72,6 +79,7 @@ from pt_ray.cache.store import (
 
 __all__ = [
     "CacheActor",
+    "OwnerNames",
     "RayStore",
     "cache_name",
     "cache_nodes",
@@ -86,6 +94,10 @@ logger = logging.getLogger(__name__)
 # One snapshot entry: (block, depth, (ref, index in its pack), the owner's name; None for this
 # node's own owner).
 _Entry = tuple[int, int, tuple[ray.ObjectRef, int | None], str | None]
+
+# Names the run's owners once they answer (``{node id: actor name}``; ``{}`` before), waiting
+# for owners already starting when called with True (:meth:`RayStore._ready`).
+OwnerNames = Callable[[bool], Mapping[str, str]]
 
 
 def cache_name(run_id: str, node_id: str | None = None) -> str:
@@ -118,15 +130,16 @@ def store_capacities() -> list[int]:
 def create_owners(run_id: str, budget_fraction: float, budget_bytes: int | None = None
                   ) -> dict[str, Any]:
     """One :class:`CacheActor` per node of :func:`cache_nodes`, pinned there; returns
-    ``{node id: actor handle}`` (names: :func:`cache_name` with the node id).
+    ``{node id: actor handle}`` (names: :func:`cache_name` with the node id; an owner of
+    that name already alive is reused).
 
-    Created eagerly, before Ray Train places its workers (the driver cannot know which nodes
-    will run a stage 0): an owner costs an idle process and no CPU, and one created later by a
-    worker would die with it."""
+    The run's controller calls it when the cache first turns on (the owners belong to it, so
+    they outlive worker restarts; it cannot know which nodes will run a stage 0): an owner
+    costs an idle process and no CPU, and one created by a worker would die with it."""
     owners = {}
     for node in cache_nodes():
         owners[node] = CacheActor.options(
-            name=cache_name(run_id, node),
+            name=cache_name(run_id, node), get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         ).remote(budget_fraction, budget_bytes)
     return owners
@@ -300,31 +313,75 @@ class RayStore:
 
     Args:
         owners: ``{node id: actor name}`` of the per-node owners (:func:`create_owners`), or
-            one actor name serving every node (a single owner, as on one node). Owners not
-            found or not answering within ``timeout_s`` (gone with their node) are left out.
+            one actor name serving every node (a single owner, as on one node): looked up
+            now. Or a function that names the owners once they answer (``{}`` before: the
+            run's owners start when its cache first turns on; called with True it may wait
+            for owners already starting): asked on first use, and again until it names them,
+            at most every ``ask_every_s`` within an epoch. Owners not found or not answering
+            within ``timeout_s`` (gone with their node) are left out.
         timeout_s: longest wait for a lookup or a read before it counts as a miss.
-        max_inflight: most batches in flight; past it, writes are dropped (not waited for).
+        max_inflight: most batches in flight (or held while the owners start); past it,
+            writes are dropped (not waited for).
         batch_bytes: rows are sent once this many bytes wait (and at the end of an epoch).
+        ask_every_s: within an epoch, how often a store whose owners are still starting asks
+            for them again (a step never waits for them: its reads are misses, its writes are
+            held until they answer).
     """
 
-    def __init__(self, owners: str | Mapping[str, str], timeout_s: float = 10.0,
-                 max_inflight: int = 16, batch_bytes: int = 4 * 2**20) -> None:
+    def __init__(self, owners: str | Mapping[str, str] | OwnerNames, timeout_s: float = 10.0,
+                 max_inflight: int = 16, batch_bytes: int = 4 * 2**20,
+                 ask_every_s: float = 0.5) -> None:
         self.node = ray.get_runtime_context().get_node_id()
-        if isinstance(owners, str):
-            owners = {self.node: owners}
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
         self.batch_bytes = batch_bytes
+        self.ask_every_s = ask_every_s
         self.dropped_rows = 0
         self.local_reads = 0
         self.remote_reads = 0
         self._reported = (0, 0, 0)
         self._inflight: list[ray.ObjectRef] = []
+        self._held: list[tuple[ray.ObjectRef, int]] = []  # (batch, rows) put before the owners
         self._batch: list[tuple] = []
         self._batch_bytes = 0
         self._snapshot: dict[int, list[_Entry]] | None = None
         self._snapshot_level: int | None = None
         self._warned = False
+        self.actor: Any = None
+        self._lineage = 0
+        self.on_node = False
+        self.peers: dict[str, Any] = {}
+        self._peer_lineage: dict[str, int] = {}
+        self._names = owners if callable(owners) else None
+        self._next_ask = 0.0
+        self._found = False
+        if self._names is None:
+            self._connect({self.node: owners} if isinstance(owners, str) else owners)
+
+    def _ready(self, wait: bool) -> bool:
+        """Whether the owners are found, asking for their names first where they were not
+        given (``wait``: at an epoch's end, not within a step; asks then may wait for owners
+        already starting)."""
+        if self._found or self._names is None:
+            return True
+        now = time.monotonic()
+        if not wait and now < self._next_ask:
+            return False
+        self._next_ask = now + self.ask_every_s
+        try:
+            names = self._names(wait)
+        except RayError as err:  # the controller is away: ask again later
+            logger.debug("activation cache: owners not named (%s)", type(err).__name__)
+            return False
+        if not names:
+            return False
+        self._connect(names)
+        return True
+
+    def _connect(self, owners: Mapping[str, str]) -> None:
+        """Find the owners of ``owners`` (``{node id: actor name}``), then send the writes
+        held while they started."""
+        self._found = True
         live = self._live_owners([owners.get(self.node), *sorted(owners.values())])
         local = owners.get(self.node)
         if local not in live and live:
@@ -336,8 +393,14 @@ class RayStore:
         # None when no owner is left at all: every read is a miss, every write dropped.
         self.actor, self._lineage = live.pop(local, (None, 0))
         self.on_node = local == owners.get(self.node)  # reads from self.actor are local
-        self.peers: dict[str, Any] = {name: actor for name, (actor, _) in live.items()}
+        self.peers = {name: actor for name, (actor, _) in live.items()}
         self._peer_lineage = {name: lineage for name, (_, lineage) in live.items()}
+        held, self._held = self._held, []
+        if self.actor is None:
+            self.dropped_rows += sum(n for _, n in held)
+        elif held:
+            self._inflight.append(self.actor.put_refs.remote(self._lineage,
+                                                             [ref for ref, _ in held]))
 
     def _live_owners(self, names: Sequence[str | None]) -> dict[str, tuple[Any, int]]:
         """``{name: (actor, lineage)}`` of the owners of ``names`` that answer within the
@@ -408,6 +471,8 @@ class RayStore:
                 for e in self._snapshot.get(b, ())]
 
     def read(self, blocks: Sequence[int], level: int) -> list[Segment]:
+        if not self._ready(wait=False):
+            return []  # the owners are still starting: they hold nothing yet
         entries = self._entries(blocks, level)
         if not entries:
             return []
@@ -464,10 +529,16 @@ class RayStore:
         if self._inflight:
             _, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight),
                                          timeout=0)
-        if len(self._inflight) >= self.max_inflight or self.actor is None:
-            self.dropped_rows += sum(len(item[3]) for item in batch)
+        ready = self._ready(wait=False)
+        rows = sum(len(item[3]) for item in batch)
+        if len(self._inflight) + len(self._held) >= self.max_inflight or (
+                ready and self.actor is None):
+            self.dropped_rows += rows
             return
         try:
+            if not ready:  # held in this node's store until the owners answer
+                self._held.append((ray.put(batch), rows))
+                return
             # In a list, so the owner gets the reference and reads it itself.
             self._inflight.append(self.actor.put_refs.remote(self._lineage, [ray.put(batch)]))
         except RayError as err:  # this node's store is full or going away
@@ -478,7 +549,7 @@ class RayStore:
         """Tell this node's owner the reads and dropped rows since the last report."""
         now = (self.local_reads, self.remote_reads, self.dropped_rows)
         delta = [a - b for a, b in zip(now, self._reported)]
-        if any(delta):
+        if any(delta) and self.actor is not None:
             try:
                 self._inflight.append(self.actor.count.remote(*delta))
                 self._reported = now
@@ -487,7 +558,9 @@ class RayStore:
 
     def drain(self) -> None:
         """End of an epoch: send the waiting rows, wait until this worker's writes have landed,
-        and drop the read snapshot (the next epoch sees what this one wrote)."""
+        and drop the read snapshot (the next epoch sees what this one wrote). Writes held
+        while the owners started wait for them (up to ``timeout_s``; then they stay held)."""
+        self._ready(wait=bool(self._held or self._batch))
         self._send()
         self._report_counts()
         if self._inflight:
@@ -498,6 +571,8 @@ class RayStore:
     def flush(self) -> None:
         """Store the rows of incomplete blocks on every owner; with other owners, wait for
         that, then have this node's owner copy in what they hold and it lacks."""
+        if not self._ready(wait=True):
+            return  # no owner started yet: nothing is stored
         self._send()
         if not self.peers:
             if self.actor is not None:
@@ -512,7 +587,9 @@ class RayStore:
         self._snapshot = None
 
     def invalidate_above(self, level: int) -> None:
-        self._batch, self._batch_bytes, self._snapshot = [], 0, None
+        self._batch, self._batch_bytes, self._snapshot, self._held = [], 0, None, []
+        if not self._ready(wait=True):
+            return  # no owner started yet: nothing to drop
         self._lineage = self._call("invalidate_above", level, default=self._lineage)
         for name, actor in self.peers.items():
             self._peer_lineage[name] = self._call("invalidate_above", level,
@@ -520,13 +597,19 @@ class RayStore:
 
     def attach(self) -> None:
         self._snapshot = None
+        if not self._ready(wait=True):
+            return
         self._lineage = self._call("lineage", default=self._lineage)
 
     def stats(self) -> CacheStats:
         """The figures summed over every owner, but ``bytes`` and ``objects`` count each row
         once however many nodes' stores hold a copy (:func:`distinct_figures`)."""
+        self._ready(wait=bool(self._held or self._batch))
         self._send()
         stats, contents = CacheStats(), []
+        if not self._found:  # no owner started yet
+            stats.refused_rows += self.dropped_rows
+            return stats
         for actor in [self.actor, *self.peers.values()]:
             more = self._call("stats", default=None, actor=actor)
             if more is None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import ray
 
+from pt_ray.cache.owners import cache_name, create_owners
 from pt_ray.reporting.logs import setup_logging
 from pt_ray.core.config import RunConfig
 from pt_ray.control.state import ControlState, build_control_state
@@ -44,6 +45,11 @@ from pt_ray.reporting.summary import EpochRecord
 __all__ = ["ControllerActor", "ControllerRestarted", "RayController", "controller_name"]
 
 logger = logging.getLogger(__name__)
+
+
+# The longest the controller, and a worker at an epoch's end, waits for the cache's owners to
+# answer after they were started (an owner is one new process: a second or two).
+_OWNERS_START_S = 60.0
 
 
 def controller_name(run_id: str) -> str:
@@ -64,10 +70,17 @@ class ControllerActor:
         config: the run configuration (as a dict, validated again here).
         checkpoints: the folder Ray Train writes the run's checkpoints into, where a restarted
             actor finds the state to restore (None: it cannot restore itself).
+        cache_run: the run id the activation cache's owners are named after, where the
+            config lets the cache turn on (None: it never does). The owners start when the
+            first plan that reads the cache is decided (:meth:`_start_owners`).
     """
 
-    def __init__(self, config: dict[str, Any], checkpoints: str | None = None) -> None:
+    def __init__(self, config: dict[str, Any], checkpoints: str | None = None,
+                 cache_run: str | None = None) -> None:
         setup_logging()
+        self.cache_run = cache_run
+        self.owners: dict[str, Any] = {}  # node id -> cache owner, once the cache turned on
+        self.owners_up: asyncio.Task | None = None  # done once every owner answered
         self.cfg = RunConfig.model_validate(config)
         self.checkpoints = Path(checkpoints) if checkpoints else None
         self.state: ControlState | None = None
@@ -268,9 +281,45 @@ class ControllerActor:
         return {"timeline": list(state.timeline), "decisions": list(state.decisions),
                 "metric_name": self.metric_name, "restarts": self.restarts,
                 "rollbacks": rollbacks, "startup": self.startup_figures,
-                "start_trials": list(state.start_trials)}
+                "start_trials": list(state.start_trials),
+                "cache_owners": {node: cache_name(self.cache_run, node) for node in self.owners}
+                if self.cache_run is not None else {}}
+
+    async def cache_owners(self, wait: bool = False) -> dict[str, str]:
+        """``{node id: actor name}`` of the cache's owners once every one answered (or the
+        wait for them ended); ``{}`` before, and in a run whose cache has not turned on.
+        ``wait``: wait for owners already starting, up to a minute."""
+        if self.owners_up is None:
+            return {}
+        if wait and not self.owners_up.done():
+            await asyncio.wait([self.owners_up], timeout=_OWNERS_START_S)
+        if not self.owners_up.done():
+            return {}
+        return {node: cache_name(self.cache_run, node) for node in self.owners}
+
+    def _start_owners(self) -> None:
+        """Start the cache's owners, one per node, once a plan reads the cache (a run whose
+        cache never turns on starts none, and none competes with Ray Train's worker group
+        for process starts). They belong to this actor, so they outlive worker restarts."""
+        if (self.cache_run is None or self.owners_up is not None or self.state is None
+                or not any(plan.cache for plan in self.state.plans.values())):
+            return
+        c = self.cfg.cache
+        self.owners = create_owners(self.cache_run, c.budget_fraction, c.budget_bytes)
+        logger.info("activation cache: starting its owners on %d node(s)", len(self.owners))
+        self.owners_up = asyncio.get_running_loop().create_task(self._wait_owners())
+
+    async def _wait_owners(self) -> None:
+        """Until every owner answers (one that cannot is left out by the workers)."""
+        if not self.owners:  # no node can host a worker: nothing to wait for
+            return
+        started = time.monotonic()
+        await asyncio.wait([asyncio.ensure_future(owner.lineage.remote())
+                            for owner in self.owners.values()], timeout=_OWNERS_START_S)
+        logger.info("activation cache: owners up in %.1f s", time.monotonic() - started)
 
     async def _notify(self) -> None:
+        self._start_owners()
         async with self.changed:
             self.changed.notify_all()
 
@@ -430,3 +479,9 @@ class RayController:
 
     def resume(self, state: dict[str, Any], next_decision: int, restart: bool = True) -> Plan:
         return self._call("resume", state, next_decision, restart)
+
+    def cache_owners(self, wait: bool) -> dict[str, str]:
+        """The cache owners' names once they answer (:meth:`ControllerActor.cache_owners`;
+        the :class:`pt_ray.cache.owners.RayStore` asks). A lost controller raises Ray's
+        error rather than recover here: the store asks again later."""
+        return ray.get(self.actor.cache_owners.remote(wait), timeout=self.timeout_s)

@@ -36,7 +36,7 @@ from pt_ray.cache.policy import may_turn_on
 from pt_ray.cache.size import resolve_cache_sizes
 from pt_ray.cache.owners import (
     cache_name,
-    create_owners,
+    cache_nodes,
     object_store_report,
     owners_report,
     store_capacities,
@@ -55,7 +55,8 @@ logger = logging.getLogger(__name__)
 # How often Ray may restart a lost controller actor in one run.
 _CONTROLLER_RESTARTS = 3
 
-# pt-ray's own actors on an embedded cluster's one node: the controller and the cache owner.
+# pt-ray's own actors on an embedded cluster's one node: the controller and the cache owner
+# (which starts later, when the cache first turns on: the slot serves a restart's controller).
 _OWN_ACTORS = 2
 
 # Ray Train 2.60's wait for its worker group's placement group, per attempt (default 60 s); a
@@ -151,10 +152,10 @@ def ensure_ray(pipeline: PipelineConfig, cache: CacheConfig, min_cpus: float = 0
         # own), so none could take them: starting them would only take CPU from the run's own
         # processes while they start.
         # Ray starts at most as many worker processes at once as the host has CPUs; the
-        # controller and the cache owner (zero-CPU actors, created just before
-        # TorchTrainer.fit()) would take those start slots from Ray Train's own controller and
-        # workers while they start. Two more slots for them: on a small head Ray Train no
-        # longer waits for pt-ray's actors to start.
+        # controller (a zero-CPU actor, created just before TorchTrainer.fit()) would take
+        # one of those start slots from Ray Train's own controller and workers while they
+        # start, and the cache owner one later. Slots for them: on a small head Ray Train
+        # does not wait for pt-ray's actors to start.
         _system_config={"prestart_worker_first_driver": False,
                         "worker_maximum_startup_concurrency":
                             (os.cpu_count() or 1) + _OWN_ACTORS},
@@ -303,7 +304,7 @@ def _train_env(placement_timeout_s: float, watch_preemption: bool) -> Iterator[N
 
 
 def _trainer(p: PipelineConfig, run: dict[str, Any], choice: DeviceChoice, run_dir: Path,
-             run_id: str, cache: dict[str, Any], worker_env: dict[str, str], autoscaler: bool,
+             run_id: str, cache: bool, worker_env: dict[str, str], autoscaler: bool,
              resume_from: Path | None, splits: Any = None
              ) -> tuple[TorchTrainer, int | tuple[int, int]]:
     """Ray Train's trainer for the run (``run``: its config as a dict, ``p`` its ``pipeline``
@@ -320,7 +321,7 @@ def _trainer(p: PipelineConfig, run: dict[str, Any], choice: DeviceChoice, run_d
         train_loop_config={"run": run,
                            "device": choice.device,
                            "controller": controller_name(run_id),
-                           "cache": {node: cache_name(run_id, node) for node in cache} or None,
+                           "cache": cache,
                            "run_dir": str(run_dir.resolve()),
                            "resume_from": str(resume_from) if resume_from else None,
                            "splits": splits},
@@ -367,21 +368,21 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     run_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     # A lost controller comes back (Ray restarts it) and restores itself from the latest
     # checkpoint in the run's storage folder when the workers find it again.
+    # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
+    # them): the controller starts them when a plan first reads the cache (the dataset's
+    # transform and the planner's prediction decide that later; the config alone may already
+    # rule it out).
+    cache = may_turn_on(cfg.cache, cfg.freeze)
     controller = ControllerActor.options(
         name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
-    ).remote(run, str((run_dir / "ray" / run_id).resolve()))
-    # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
-    # them). Whether the cache really turns on (the dataset's transform, the planner's
-    # prediction) is decided later; the config alone may already rule it out.
-    cache: dict[str, Any] = {}
-    if may_turn_on(cfg.cache, cfg.freeze):
-        cache = create_owners(run_id, cfg.cache.budget_fraction, cfg.cache.budget_bytes)
+    ).remote(run, str((run_dir / "ray" / run_id).resolve()), run_id if cache else None)
     use_gpu = choice.use_gpu
     trainer, workers = _trainer(p, run, choice, run_dir, run_id, cache, worker_env, autoscaler,
                                 resume_from, shipped.ref)
     logger.info("run %s: %s workers (%s, %s) on Ray Train", run_id, workers,
                 "GPU" if use_gpu else "CPU", choice.backend)
     cache_report: dict[str, Any] = {}
+    owners: dict[str, Any] = {}
     t0 = time.monotonic()
     launched = time.time()  # beside the workers' time.time() of their start
     try:
@@ -397,11 +398,16 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
                 raise
             raise failure from err
         summary = _final_summary(controller)
-        if cache:
-            cache_report = _cache_report(cache)
+        owners = _live_actors(summary.get("cache_owners", {}))
+        if owners:
+            cache_report = _cache_report(owners)
     finally:
+        # The cache owners die with the controller; killed here too, at once (a run stopped
+        # early has not read their names from the summary: they are looked up).
+        if cache and not owners:
+            owners = _live_actors({n: cache_name(run_id, n) for n in cache_nodes()}, warn=False)
         ray.kill(controller)
-        for owner in cache.values():
+        for owner in owners.values():
             ray.kill(owner)
     if result.error is not None:
         raise result.error
@@ -436,6 +442,19 @@ def _final_summary(controller: Any) -> dict[str, Any]:
     except ray.exceptions.RayTaskError as err:
         raise RuntimeError(f"the controller restarted after training and could not restore "
                            f"the run's timeline: {err.cause}") from err
+
+
+def _live_actors(names: dict[str, str], warn: bool = True) -> dict[str, Any]:
+    """``{key: actor handle}`` of the named cache owners still alive (``warn``: log those
+    gone)."""
+    found = {}
+    for key, name in names.items():
+        try:
+            found[key] = ray.get_actor(name)
+        except ValueError:
+            if warn:
+                logger.warning("activation cache: owner %s is gone", name)
+    return found
 
 
 def _cache_report(owners: dict[str, Any]) -> dict[str, Any]:

@@ -192,11 +192,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     Args:
         config: ``{"run": RunConfig as a dict, "device": the driver's device choice
-            (``cuda`` or ``cpu``), "controller": actor name, "cache": the cache
-            actor's name or None, "resume_from": the checkpoint folder of a stopped run to
-            continue, or None, "run_dir": the run folder (rank 0 writes the live
-            ``logging.every_steps`` TensorBoard scalars into its ``tensorboard``), "splits":
-            the driver's dataset in the object store, or None (each worker builds it)}``.
+            (``cuda`` or ``cpu``), "controller": actor name, "cache": whether the
+            cache may turn on (its owners are then asked of the controller), "resume_from":
+            the checkpoint folder of a stopped run to continue, or None, "run_dir": the run
+            folder (rank 0 writes the live ``logging.every_steps`` TensorBoard scalars into
+            its ``tensorboard``), "splits": the driver's dataset in the object store, or None
+            (each worker builds it)}``.
     """
     entered = time.time()  # the driver's clock on one host; across hosts, as synced as theirs
     setup_logging()
@@ -216,7 +217,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s,
                                checkpoints_after=cfg.checkpoints_after)
     device = _device(config["device"])
-    store = RayStore(config["cache"]) if config.get("cache") else None
+    # The cache's owners start when it first turns on; the store asks the controller for them.
+    store = RayStore(controller.cache_owners) if config.get("cache") else None
     # Rank 0 shows each epoch's progress (plain lines: a Ray worker's stdout is no terminal).
     progress = RunProgress(
         cfg.epochs, lambda _epoch: worker.steps_in_epoch(),
