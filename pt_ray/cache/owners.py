@@ -355,15 +355,19 @@ class RayStore:
         self._names = owners if callable(owners) else None
         self._next_ask = 0.0
         self._found = False
+        self._used = False  # read or written: until then an epoch's end asks for no owner
         if self._names is None:
             self._connect({self.node: owners} if isinstance(owners, str) else owners)
 
-    def _ready(self, wait: bool) -> bool:
+    def _ready(self, wait: bool, force: bool = False) -> bool:
         """Whether the owners are found, asking for their names first where they were not
         given (``wait``: at an epoch's end, not within a step; asks then may wait for owners
-        already starting)."""
+        already starting). A store this worker has not read or written yet asks only with
+        ``force`` (a restore: the owners may hold rows from before it)."""
         if self._found or self._names is None:
             return True
+        if not (self._used or force):
+            return False  # the cache has not served this worker: its owners are not needed
         now = time.monotonic()
         if not wait and now < self._next_ask:
             return False
@@ -471,6 +475,7 @@ class RayStore:
                 for e in self._snapshot.get(b, ())]
 
     def read(self, blocks: Sequence[int], level: int) -> list[Segment]:
+        self._used = True
         if not self._ready(wait=False):
             return []  # the owners are still starting: they hold nothing yet
         entries = self._entries(blocks, level)
@@ -514,6 +519,7 @@ class RayStore:
 
     def write(self, block: int, block_size: int, level: int, ids: np.ndarray,
               arrays: Sequence[np.ndarray], dtypes: Sequence[str]) -> None:
+        self._used = True
         self._batch.append((block, block_size, level, np.asarray(ids),
                             [np.asarray(a) for a in arrays], list(dtypes)))
         self._batch_bytes += sum(a.nbytes for a in arrays) + np.asarray(ids).nbytes
@@ -588,7 +594,7 @@ class RayStore:
 
     def invalidate_above(self, level: int) -> None:
         self._batch, self._batch_bytes, self._snapshot, self._held = [], 0, None, []
-        if not self._ready(wait=True):
+        if not self._ready(wait=True, force=True):
             return  # no owner started yet: nothing to drop
         self._lineage = self._call("invalidate_above", level, default=self._lineage)
         for name, actor in self.peers.items():
@@ -597,7 +603,7 @@ class RayStore:
 
     def attach(self) -> None:
         self._snapshot = None
-        if not self._ready(wait=True):
+        if not self._ready(wait=True, force=True):
             return
         self._lineage = self._call("lineage", default=self._lineage)
 
