@@ -281,9 +281,7 @@ class ControllerActor:
         return {"timeline": list(state.timeline), "decisions": list(state.decisions),
                 "metric_name": self.metric_name, "restarts": self.restarts,
                 "rollbacks": rollbacks, "startup": self.startup_figures,
-                "start_trials": list(state.start_trials),
-                "cache_owners": {node: cache_name(self.cache_run, node) for node in self.owners}
-                if self.cache_run is not None else {}}
+                "start_trials": list(state.start_trials)}
 
     async def cache_owners(self, wait: bool = False) -> dict[str, str]:
         """``{node id: actor name}`` of the cache's owners once every one answered (or the
@@ -314,9 +312,12 @@ class ControllerActor:
         if not self.owners:  # no node can host a worker: nothing to wait for
             return
         started = time.monotonic()
-        await asyncio.wait([asyncio.ensure_future(owner.lineage.remote())
-                            for owner in self.owners.values()], timeout=_OWNERS_START_S)
-        logger.info("activation cache: owners up in %.1f s", time.monotonic() - started)
+        done, _ = await asyncio.wait([asyncio.ensure_future(owner.lineage.remote())
+                                      for owner in self.owners.values()],
+                                     timeout=_OWNERS_START_S)
+        failed = sum(1 for answer in done if answer.exception() is not None)
+        logger.info("activation cache: %d of %d owners up in %.1f s", len(done) - failed,
+                    len(self.owners), time.monotonic() - started)
 
     async def _notify(self) -> None:
         self._start_owners()

@@ -382,7 +382,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     logger.info("run %s: %s workers (%s, %s) on Ray Train", run_id, workers,
                 "GPU" if use_gpu else "CPU", choice.backend)
     cache_report: dict[str, Any] = {}
-    owners: dict[str, Any] = {}
+    owners: dict[str, Any] | None = None  # None until looked up
     t0 = time.monotonic()
     launched = time.time()  # beside the workers' time.time() of their start
     try:
@@ -398,14 +398,14 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
                 raise
             raise failure from err
         summary = _final_summary(controller)
-        owners = _live_actors(summary.get("cache_owners", {}))
+        owners = _cache_owners(run_id) if cache else {}
         if owners:
             cache_report = _cache_report(owners)
     finally:
-        # The cache owners die with the controller; killed here too, at once (a run stopped
-        # early has not read their names from the summary: they are looked up).
-        if cache and not owners:
-            owners = _live_actors({n: cache_name(run_id, n) for n in cache_nodes()}, warn=False)
+        # The cache owners die with the controller; killed here too, at once (looked up here
+        # when the run stopped before the end).
+        if owners is None:
+            owners = _cache_owners(run_id) if cache else {}
         ray.kill(controller)
         for owner in owners.values():
             ray.kill(owner)
@@ -444,16 +444,15 @@ def _final_summary(controller: Any) -> dict[str, Any]:
                            f"the run's timeline: {err.cause}") from err
 
 
-def _live_actors(names: dict[str, str], warn: bool = True) -> dict[str, Any]:
-    """``{key: actor handle}`` of the named cache owners still alive (``warn``: log those
-    gone)."""
+def _cache_owners(run_id: str) -> dict[str, Any]:
+    """``{node id: actor handle}`` of the run's cache owners alive now (none where its
+    controller never started them: the cache did not turn on)."""
     found = {}
-    for key, name in names.items():
+    for node in cache_nodes():
         try:
-            found[key] = ray.get_actor(name)
+            found[node] = ray.get_actor(cache_name(run_id, node))
         except ValueError:
-            if warn:
-                logger.warning("activation cache: owner %s is gone", name)
+            pass
     return found
 
 
