@@ -137,10 +137,14 @@ def test_eval_and_checkpoint_cadence_rule():
     assert all(every.evaluates_after(e) and every.checkpoints_after(e) for e in range(3))
 
 
-def test_bare_off_from_yaml_turns_progress_and_cache_off(tmp_path):
-    # YAML reads a bare off as false; --set logging.progress=off must still mean "off".
-    cfg = load_config(None, ["logging.progress=off", "cache.mode=off"])
-    assert (cfg.logging.progress, cfg.cache.mode) == ("off", "off")
+def test_bare_on_and_off_from_yaml_set_every_switch(tmp_path):
+    # YAML reads a bare on/off as true/false; --set cache.mode=off must still mean "off".
+    cfg = load_config(None, ["logging.progress=off", "cache.mode=off", "pipeline.compile=off",
+                             "optimizer.fused=off"])
+    assert (cfg.logging.progress, cfg.cache.mode, cfg.pipeline.compile,
+            cfg.optimizer.fused) == ("off",) * 4
+    cfg = load_config(None, ["cache.mode=on", "pipeline.compile=on", "optimizer.fused=on"])
+    assert (cfg.cache.mode, cfg.pipeline.compile, cfg.optimizer.fused) == ("on",) * 3
     with pytest.raises(ConfigError, match=r"logging\.progress=True: Input should be 'auto'"):
         load_config(None, ["logging.progress=on"])
 

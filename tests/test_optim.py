@@ -106,6 +106,19 @@ def test_no_decay_groups_are_not_decayed_by_the_optimizer():
             assert torch.allclose(p, before[id(p)] * factor, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize(("fused", "device", "expected"), [
+    ("auto", "cpu", True),     # torch's default on the CPU is a Python loop over the tensors
+    ("off", "cpu", None),
+    ("auto", "meta", None),    # no fused kernels there: auto leaves torch's default
+    ("on", "cpu", True),
+])
+def test_adamw_runs_fused_where_auto_finds_the_kernels(fused, device, expected):
+    layers = [(n, m.to(device)) for n, m in _two_layers()]
+    opt = build_optimizer(OptimizerConfig(name="adamw", lr=0.01, fused=fused),
+                          layer_param_groups(layers, 0.1))
+    assert opt.defaults["fused"] is expected
+
+
 def test_build_optimizer_uses_config_hyperparameters():
     layers = _two_layers()
     adamw = build_optimizer(

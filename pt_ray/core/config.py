@@ -13,11 +13,12 @@ import logging
 import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -56,6 +57,17 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _yaml_on_off(value: Any) -> Any:
+    # YAML reads a bare on/off (``--set optimizer.fused=on``, ``mode: off``) as a boolean.
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+OnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_on_off)]
+"""A switch with an ``auto`` setting, written bare (``on``, ``off``) or quoted."""
 
 
 class ConfigError(ValueError):
@@ -347,7 +359,7 @@ class PipelineConfig(_Section):
     blocks still move onto stage 0 (and may be cached) and the active ones are re-balanced over
     the same K stages, but no device is freed. At most L - K blocks then freeze, so that every
     stage keeps a trainable block (``freeze.max_frozen`` is capped, and the log says so)."""
-    compile: Literal["auto", "on", "off"] = "auto"
+    compile: OnOff = "auto"
     """``torch.compile`` each Transformer block once (``auto``: on CUDA, eager on CPU). Blocks,
     not stages, are compiled, so a re-plan rebuilds stages without compiling again; a block
     gets a trained and a frozen (``no_grad``) graph, and its batch dimension turns dynamic
@@ -417,9 +429,11 @@ class OptimizerConfig(_Section):
     """Clip the global gradient norm of the active parameters to this value (None: no clip)."""
     scale_lr_with_replicas: bool = False
     """With ``batch_policy=per_replica``, scale ``lr`` linearly with the number of replicas."""
-    fused: Literal["auto", "on", "off"] = "auto"
-    """AdamW's fused kernels: ``auto`` on CUDA, ``on`` on any device torch has them for (CPU
-    too), ``off`` never (torch's multi-tensor kernels)."""
+    fused: OnOff = "auto"
+    """AdamW's fused kernels: ``auto`` on the CPU and CUDA (where pt-ray trains), ``on`` on
+    any device torch has them for, ``off`` never (torch's default kernels: a Python loop over
+    the parameters on the CPU, multi-tensor kernels on CUDA). The update is the same; the fused
+    kernels take one pass over each parameter."""
     accumulation_steps: int = Field(default=1, ge=1)
     """Gradient accumulation, for a batch whose activations do not fit: each optimizer step
     still covers ``data.batch_size`` samples (the global batch; per replica under
@@ -444,7 +458,7 @@ class CacheConfig(_Section):
     """AutoCache: the frozen prefix's activations in Ray's object store. When it turns on is
     decided in one place, :mod:`pt_ray.cache.policy`, from these fields."""
 
-    mode: Literal["auto", "on", "off"] = "auto"
+    mode: OnOff = "auto"
     """``auto``: on in the plans where the planner predicts a gain from the profiled costs
     (a cache read, amplified when the cache outgrows ``worker_memo_bytes``, against the frozen
     prefix's forward). ``on``: whenever a block is frozen. ``off``: never. The sample order is
@@ -515,14 +529,6 @@ class CacheConfig(_Section):
             raise ValueError(f"cache.object_store_bytes={value} is below Ray's smallest object "
                              f"store, {RAY_MIN_OBJECT_STORE_BYTES} bytes (75 MiB); set at least "
                              "that, or 'auto'")
-        return value
-
-    @field_validator("mode", mode="before")
-    @classmethod
-    def _yaml_on_off(cls, value: Any) -> Any:
-        # YAML reads a bare on/off (``--set cache.mode=on``, ``mode: off``) as a boolean.
-        if isinstance(value, bool):
-            return "on" if value else "off"
         return value
 
 

@@ -144,8 +144,7 @@ class Layout:
         """The optimizer over the layers trained here, their state carried."""
         optimizer = self.settings.optimizer
         self.optimizer = build_optimizer(optimizer, merge_groups(layer_param_groups(
-            [(n, self.modules[n]) for n in trained], optimizer.weight_decay)),
-            self.device)
+            [(n, self.modules[n]) for n in trained], optimizer.weight_decay)))
         adopt_states(self.optimizer, [pair for name in trained for pair in zip(
             self.modules[name].parameters(), states.get(name, ()))])
 

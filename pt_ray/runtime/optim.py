@@ -68,15 +68,23 @@ def merge_groups(groups: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def build_optimizer(cfg: OptimizerConfig, groups: list[dict],
-                    device: torch.device | None = None) -> torch.optim.Optimizer:
+FUSED_DEVICES = ("cpu", "cuda")
+"""Where ``optimizer.fused=auto`` runs AdamW's fused kernels: the devices pt-ray trains on,
+both of which torch has them for. On the CPU they replace torch's default there, a Python loop
+over the parameters (one small kernel per operation and tensor), which on a small model took
+a sixth of a step (``bench/engine_tax.py``); on CUDA, the multi-tensor kernels."""
+
+
+def build_optimizer(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     """An AdamW or SGD optimizer over per-layer groups (see :func:`layer_param_groups`).
 
-    AdamW runs torch's fused kernels when ``optimizer.fused`` says so: ``auto`` on CUDA
-    (``device``), ``on`` on any device, ``off`` never (the multi-tensor kernels instead)."""
+    AdamW runs torch's fused kernels when ``optimizer.fused`` says so: ``auto`` where the
+    parameters live on a device of :data:`FUSED_DEVICES`, ``on`` on any device, ``off`` never
+    (torch's default kernels instead)."""
     if cfg.name == "adamw":
+        device = next((p.device for g in groups for p in g["params"]), None)
         fused = cfg.fused == "on" or (cfg.fused == "auto" and device is not None
-                                      and device.type == "cuda")
+                                      and device.type in FUSED_DEVICES)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas,
                                  weight_decay=cfg.weight_decay, fused=fused or None)
     return torch.optim.SGD(
