@@ -120,6 +120,67 @@ def test_four_workers_with_transitions_match_reference(base, schedule):
         assert mine.eval_metric == pytest.approx(ref.eval_metric, abs=1e-9)
 
 
+def train_rank_counting_eval_prefixes(rank, world, cfg):
+    """``train_rank``, also returning, per epoch, how many times stage 0 ran its prefix (the
+    embedding and the frozen blocks) while the epoch was scored (training runs it in steps)."""
+    from pt_ray.runtime.stages import StageModule
+
+    runs = [0]
+    run_prefix = StageModule.run_prefix
+
+    def counted(self, *inputs):
+        runs[0] += 1
+        return run_prefix(self, *inputs)
+
+    StageModule.run_prefix = counted  # this forked rank's class only
+    record = ElasticWorker._epoch_record
+    per_epoch: list[int] = []
+
+    def recorded(self, *args):
+        before = runs[0]
+        out = record(self, *args)
+        per_epoch.append(runs[0] - before)
+        return out
+
+    ElasticWorker._epoch_record = recorded
+    states, timeline = train_rank(rank, world, cfg)
+    return states, timeline, per_epoch
+
+
+def test_evaluations_under_one_plan_read_the_frozen_prefix_once_and_score_as_the_reference():
+    # On a 2-stage pipeline (each stage keeps a trainable block) 2 blocks freeze at epoch 1
+    # and that plan stands through epoch 4: its first evaluation runs stage 0's prefix over
+    # each eval batch and the next three read what it kept (stage 1 holds no prefix). Epoch 0
+    # freezes nothing: the embedding still trains, so nothing is kept.
+    cfg = config(VIT, "1f1b", 2, epochs=5)
+    results = run_ranks(train_rank_counting_eval_prefixes, 2, cfg)
+    timeline = results[0][1]
+    assert [(r.num_frozen, r.pipeline_length, r.num_replicas) for r in timeline] == [
+        (0, 2, 1)] + [(2, 2, 1)] * 4
+    stage0, stage1 = results[0][2], results[1][2]
+    assert stage0[0] == stage0[1] > 0 and stage0[2:] == [0, 0, 0]
+    assert stage1 == [0] * 5
+    ref_timeline = assert_same_parameters([r[:2] for r in results], cfg)
+    assert [r.eval_metric for r in timeline] == [r.eval_metric for r in ref_timeline]
+
+
+def test_kept_prefix_states_stop_at_the_budget_and_stay_in_batch_order():
+    from pt_ray.runtime.records import PrefixStarts
+
+    cpu = torch.device("cpu")
+    batch = (torch.zeros(4, 8), torch.ones(4, dtype=torch.int64))  # 128 + 32 bytes
+    starts = PrefixStarts(budget_bytes=400, host=True)
+    starts.put(1, batch)  # batch 0 not held yet: kept batches stay in order
+    assert starts.get(1, cpu) is None
+    for i in range(4):
+        starts.put(i, batch)
+    assert starts.bytes == 320 and starts.full  # batch 2 passed the budget
+    assert starts.get(1, cpu) is not None and starts.get(2, cpu) is None
+    starts.put(3, batch)  # nothing after a refused batch
+    assert starts.get(3, cpu) is None
+    assert all(torch.equal(a, b) for a, b in zip(starts.get(0, cpu), batch))
+
+
 def test_pinned_pipeline_freezes_in_place_and_matches_reference():
     # pipeline.elastic=false (the "freeze only" ablation): K = 2 and R = 1 for the whole run;
     # freezing is capped at L - K = 2 blocks (max_frozen asks for 3), which stage 0 takes over

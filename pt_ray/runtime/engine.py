@@ -53,6 +53,7 @@ from pt_ray.runtime.profile import profile_share
 from pt_ray.runtime.records import (
     CacheFigures,
     EpochFigures,
+    EvalPrefix,
     StepReports,
     count_correct,
     epoch_record,
@@ -172,6 +173,7 @@ class ElasticWorker:
         self.memory = MemoryMeter(self.modules, self.device)
         self.probe = probe_for(probe_indices(freeze, settings.seed, len(splits.train)), splits,
                                settings.eval_batch_size, self.comm)
+        self.eval_prefix = EvalPrefix(settings.cache, self.device)
 
     # The layout in force, as the rest of the engine (and tests) read it.
     plan = property(lambda self: self.layout.plan)
@@ -328,7 +330,8 @@ class ElasticWorker:
         correct, eval_time = 0, 0.0
         if evaluated:
             correct, eval_time = count_correct(self.layout, self.splits,
-                                               self.settings.eval_batch_size, self.comm)
+                                               self.settings.eval_batch_size, self.comm,
+                                               self.eval_prefix.for_plan(self.layout))
             if self.hooks.on_eval is not None:
                 correct = self.hooks.on_eval(epoch, correct)
         mine = EpochFigures(float(loss_sum), correct, epoch_time, transition,
@@ -369,6 +372,7 @@ class ElasticWorker:
         """Return to the snapshot taken at the start of epoch ``plan.rollback_to`` and enter
         ``plan`` (the layout that trained the epoch before it, as a new generation)."""
         states = self.state.roll_back(plan)
+        self.eval_prefix.clear()
         if self.prefix is not None:
             # Entries deeper than the restored prefix were computed by the undone freeze.
             self.prefix.invalidate_above(plan.num_frozen)
@@ -384,6 +388,7 @@ class ElasticWorker:
         """Load a checkpoint and enter ``plan`` (decided for the resumed run, possibly for a
         different number of workers). Returns the first epoch to train."""
         meta, states = self.state.load(directory, plan)
+        self.eval_prefix.clear()
         self.decision = meta["next_decision"]
         if self.prefix is not None:
             # Entries deeper than the checkpoint's prefix came from training this resume

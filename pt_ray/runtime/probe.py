@@ -25,10 +25,9 @@ from pt_ray.core.freeze import PROBE_NOW, PROBE_REVERTED
 from pt_ray.core.plan import Plan
 from pt_ray.data.base import DatasetSplits, SampleDataset
 from pt_ray.data.sampler import split_for_replica
-from pt_ray.models.base import State
 from pt_ray.runtime.comm import Comm
 from pt_ray.runtime.layout import Layout
-from pt_ray.runtime.records import pipe_score
+from pt_ray.runtime.records import PrefixStarts, pipe_score
 
 __all__ = ["Probe", "probe_for"]
 
@@ -66,7 +65,7 @@ class Probe:
         # Stage 0: each probe batch's state after the prefix, for the frozen count and replica
         # of ``starts_for``: a test's two passes share it, and while blocks are frozen (the
         # prefix then never changes: a rollback ends the tests) so do later tests.
-        self.starts: list[State] = []
+        self.starts = PrefixStarts()
         self.starts_for: tuple[int, int, int] | None = None
 
     def start(self, layout: Layout, plan: Plan) -> None:
@@ -89,7 +88,7 @@ class Probe:
         plan = layout.plan
         key = (plan.num_frozen, layout.topo.replica, plan.num_replicas)
         if key != self.starts_for or not plan.num_frozen:  # the embedding still trains
-            self.starts, self.starts_for = [], key
+            self.starts, self.starts_for = PrefixStarts(), key
         now = self._loss(layout)
         with self._put_back(layout):
             reverted = self._loss(layout)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from pt_ray.cache.size import memo_limit
+from pt_ray.core.config import CacheConfig
 from pt_ray.data.base import (
     DatasetSplits,
     SampleDataset,
@@ -27,34 +29,108 @@ from pt_ray.runtime.norms import merge_block_norms, norm_row
 from pt_ray.reporting.steplog import StepRecord, StepWindow
 from pt_ray.reporting.summary import EpochRecord
 
-__all__ = ["CacheFigures", "EpochFigures", "StepReports", "count_correct", "epoch_record",
-           "pipe_score"]
+__all__ = ["CacheFigures", "EpochFigures", "EvalPrefix", "PrefixStarts", "StepReports",
+           "count_correct", "epoch_record", "pipe_score"]
+
+
+class PrefixStarts:
+    """Stage 0's states after its prefix (the embedding and the frozen blocks) for a fixed list
+    of batches, kept so that a later pass over the same batches, with only later blocks
+    changed, skips the prefix (:func:`pipe_score`). The owner drops them when the prefix may
+    have changed.
+
+    Args:
+        budget_bytes: the most bytes held (None: no bound). Batches are held in order; the
+            first one past the budget and every later one are computed on every pass.
+        host: hold them in host memory and move each to the device when read (for CUDA,
+            whose memory the planner budgets for training); else where they were computed.
+    """
+
+    def __init__(self, budget_bytes: int | None = None, host: bool = False) -> None:
+        self.budget_bytes = budget_bytes
+        self.host = host
+        self.states: list[State] = []
+        self.bytes = 0
+        self.full = False  # a batch was refused: later ones are not held either
+
+    def get(self, i: int, device: torch.device) -> State | None:
+        """Batch ``i``'s state on ``device``, if held."""
+        if i >= len(self.states):
+            return None
+        state = self.states[i]
+        return tuple(t.to(device) for t in state) if self.host else state
+
+    def put(self, i: int, state: State) -> None:
+        """Hold batch ``i``'s state, if every batch before it is held and it fits."""
+        if self.full or i != len(self.states):
+            return
+        size = sum(t.nbytes for t in state)
+        if self.budget_bytes is not None and self.bytes + size > self.budget_bytes:
+            self.full = True
+            return
+        self.states.append(tuple(t.cpu() for t in state) if self.host else state)
+        self.bytes += size
+
+
+class EvalPrefix:
+    """Stage 0's eval batches after the frozen prefix, kept from one evaluation to the next
+    while the plan stands. A frozen block never changes under a plan, and the eval set and its
+    shards are fixed, so a later evaluation reads what an earlier one computed and scores
+    exactly as if it had run the prefix again. Nothing is kept while nothing is frozen (the
+    embedding still trains), off stage 0, or with ``cache.mode=off``; at most
+    ``cache.worker_memo_bytes`` (as resolved) are held, in host memory on CUDA.
+
+    Args:
+        cache: the run's ``cache`` section.
+        device: this rank's device.
+    """
+
+    def __init__(self, cache: CacheConfig, device: torch.device) -> None:
+        self.on = cache.mode != "off"
+        self.budget_bytes = memo_limit(cache)
+        self.host = device.type == "cuda"
+        self.generation: int | None = None
+        self.starts: PrefixStarts | None = None
+
+    def for_plan(self, layout: Layout) -> PrefixStarts | None:
+        """What the plan in force keeps (empty at its first evaluation), or None."""
+        plan = layout.plan
+        if not (self.on and plan.num_frozen and layout.topo.is_first_stage):
+            self.clear()
+            return None
+        if plan.generation != self.generation or self.starts is None:
+            self.generation = plan.generation
+            self.starts = PrefixStarts(self.budget_bytes, self.host)
+        return self.starts
+
+    def clear(self) -> None:
+        """Drop what is kept (a rollback or a restore may have changed the prefix)."""
+        self.generation, self.starts = None, None
 
 
 @torch.no_grad()
 def count_correct(layout: Layout, splits: DatasetSplits, batch_size: int,
-                  comm: Comm) -> tuple[int, float]:
+                  comm: Comm, starts: PrefixStarts | None = None) -> tuple[int, float]:
     """Score this rank's share of the eval set: the set is split across replicas and piped
-    through each replica's stages. Returns the correct predictions counted here (on last
-    stages; 0 elsewhere: the sum over every rank is the whole set's) and the seconds it
-    took."""
+    through each replica's stages (stage 0 reading ``starts`` where it holds a batch's state
+    after the prefix). Returns the correct predictions counted here (on last stages; 0
+    elsewhere: the sum over every rank is the whole set's) and the seconds it took."""
     t0 = time.perf_counter()
     shards = eval_shards(len(splits.eval), batch_size, layout.topo.replica,
                          layout.plan.num_replicas)
     correct = pipe_score(layout, splits.eval, shards, comm,
-                         lambda out, target: layout.adapter.correct(out, target).sum())
+                         lambda out, target: layout.adapter.correct(out, target).sum(), starts)
     return int(correct), time.perf_counter() - t0
 
 
 @torch.no_grad()
 def pipe_score(layout: Layout, dataset: SampleDataset, batches: list[np.ndarray], comm: Comm,
                score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               starts: list[State] | None = None) -> torch.Tensor:
+               starts: PrefixStarts | None = None) -> torch.Tensor:
     """Pipe this replica's ``batches`` of ``dataset`` through its stages in eval mode and sum
     ``score(output, target)`` over them on the last stage (0 elsewhere); the modes of the layout
-    are restored after. ``starts`` (stage 0): each batch's state after the stage's prefix (the
-    embedding and the frozen blocks), read where held, else computed and appended, so that a
-    second pass over the same batches with only later blocks changed skips the prefix."""
+    are restored after. ``starts`` (stage 0): each batch's state after the stage's prefix, read
+    where held, else computed and offered to it."""
     topo, device, adapter = layout.topo, layout.device, layout.adapter
     adapter.model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -62,13 +138,12 @@ def pipe_score(layout: Layout, dataset: SampleDataset, batches: list[np.ndarray]
     nxt = topo.pipeline_ranks[topo.stage + 1] if not topo.is_last_stage else None
     for i, idx in enumerate(batches):
         if topo.is_first_stage:
-            if starts is not None and i < len(starts):
-                state = starts[i]
-            else:  # the prefix computed: the activation cache serves training steps only
+            state = starts.get(i, device) if starts is not None else None
+            if state is None:  # the prefix computed: the activation cache serves training only
                 stored = to_device_batch(gather_stored(dataset, idx.tolist()), device)
                 state = layout.stage.run_prefix(*finish_batch(dataset, stored).inputs)
                 if starts is not None:
-                    starts.append(state)
+                    starts.put(i, state)
             out = layout.stage.run_from(*state)
         else:
             out = layout.stage(*comm.recv(prev, device))
