@@ -71,8 +71,8 @@ def merge_groups(groups: list[dict]) -> list[dict]:
 FUSED_DEVICES = ("cpu", "cuda")
 """Where ``optimizer.fused=auto`` runs AdamW's fused kernels: the devices pt-ray trains on,
 both of which torch has them for. On the CPU they replace torch's default there, a Python loop
-over the parameters (one small kernel per operation and tensor), which on a small model took
-a sixth of a step (``bench/engine_tax.py``); on CUDA, the multi-tensor kernels."""
+over the parameters (one small kernel per operation and tensor; ``bench/engine_tax.py`` with
+``--set optimizer.fused=off`` measures what it costs); on CUDA, the multi-tensor kernels."""
 
 
 def build_optimizer(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
