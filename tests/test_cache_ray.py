@@ -161,28 +161,18 @@ def test_writes_made_while_the_owners_start_are_held_then_land_and_steps_never_w
     ray.kill(actor)
 
 
-def test_the_owners_start_when_a_plan_first_reads_the_cache_and_die_with_the_controller(
+def test_the_owners_start_with_the_controller_answer_once_up_and_die_with_it(
         ray_cluster, tmp_path):
     from pt_ray.cache.owners import cache_name, cache_nodes
-    from pt_ray.core.plan import CostTable
     from pt_ray.service.controller import ControllerActor, RayController, controller_name
 
-    # freeze.policy=schedule freezes at decision 1 (after its warmup epoch), cache.mode=on
-    # reads the cache from the first frozen block.
     cfg = job(tmp_path, pipeline={"num_workers": 1, "policy": "paper"})
-    assert cfg.cache.mode == "on"
-    run = f"owners-{uuid.uuid4().hex[:8]}"
-    actor = ControllerActor.options(name=controller_name(run)).remote(
-        cfg.model_dump(mode="json"), None, run)
-    handle = RayController(controller_name(run), timeout_s=60)
-    handle.setup(4, 1, 8, "accuracy", "local-cpu")
-    handle.submit_costs(0, CostTable.from_param_counts(1.0, [1.0] * 4, 1.0))
-    assert not handle.plan_for(0).cache
-    owner_names = [cache_name(run, node) for node in cache_nodes()]
+    def owner_names(run: str) -> list[str]:
+        return [cache_name(run, node) for node in cache_nodes()]
 
-    def started() -> list[str]:
+    def started(names: list[str]) -> list[str]:
         found = []
-        for name in owner_names:
+        for name in names:
             try:
                 ray.get_actor(name)
                 found.append(name)
@@ -190,17 +180,32 @@ def test_the_owners_start_when_a_plan_first_reads_the_cache_and_die_with_the_con
                 pass
         return found
 
-    assert handle.cache_owners(True) == {} and started() == []  # no plan reads the cache yet
-    handle.submit_norms(0, 0, {b: 1.0 for b in range(4)}, None)
-    assert handle.plan_for(1).cache
+    # A config that rules the cache out (no cache run id) starts no owner.
+    off = f"no-owners-{uuid.uuid4().hex[:8]}"
+    idle = ControllerActor.options(name=controller_name(off)).remote(
+        cfg.model_dump(mode="json"), None, None)
+    assert RayController(controller_name(off), timeout_s=60).cache_owners(True) == {}
+    assert started(owner_names(off)) == []
+    ray.kill(idle)
+
+    # Otherwise the owners start with the controller, before any worker sets it up or any
+    # plan reads the cache, and are named once each answers.
+    run = f"owners-{uuid.uuid4().hex[:8]}"
+    actor = ControllerActor.options(name=controller_name(run)).remote(
+        cfg.model_dump(mode="json"), None, run)
+    handle = RayController(controller_name(run), timeout_s=60)
+    deadline = time.monotonic() + 60
+    while started(owner_names(run)) != owner_names(run):
+        assert time.monotonic() < deadline, "the controller did not start its cache owners"
+        time.sleep(0.2)
     named = handle.cache_owners(True)  # waits until every owner answers
-    assert sorted(named.values()) == sorted(owner_names) == started()
-    assert ray.get([ray.get_actor(n).lineage.remote() for n in owner_names]) == [0] * len(
-        owner_names)
+    assert sorted(named.values()) == sorted(owner_names(run))
+    assert ray.get([ray.get_actor(n).lineage.remote() for n in owner_names(run)]) == [0] * len(
+        owner_names(run))
     # The driver kills the controller at the end; its owners go with it.
     ray.kill(actor)
     deadline = time.monotonic() + 60
-    while started():
+    while started(owner_names(run)):
         assert time.monotonic() < deadline, "the cache owners outlived their controller"
         time.sleep(0.2)
 

@@ -3,9 +3,11 @@
 An object belongs to the process that ``ray.put`` it and dies with it (``ray.put`` takes no
 other owner: its ``_owner=`` argument raises), and Ray Train's workers die at every restart.
 So the run's controller creates one :class:`CacheActor` per node that may run a worker
-(:func:`create_owners`), pinned there (node affinity, not soft), when the cache first turns
-on: a run whose cache never turns on starts none, and none starts beside Ray Train's worker
-group. Each owns the cache objects of its node:
+(:func:`create_owners`), pinned there (node affinity, not soft), as the controller itself
+starts, while Ray Train's own controller starts: a process start then costs the run nothing,
+where one started when the cache first turns on takes its CPU from the training steps on a
+small host. A run whose config rules the cache out starts none; one whose cache never turns
+on keeps an idle owner process per node. Each owns the cache objects of its node:
 
 1. a stage-0 worker ``ray.put`` s the rows it computed, a few MiB per object, into its node's
    store, and hands the reference to its own node's owner without waiting (``put_refs``; a
@@ -36,13 +38,14 @@ after the first epoch at a depth local, at the cost of each node's store holding
 cache (its own budget refuses what does not fit, and those rows are read from the owner that
 has them).
 
-A worker finds the owners once the controller names them, after they answer: until then
-(a second or so after the cache turns on) its reads are misses and its writes wait in its
-node's store, and at the epoch's end it waits for them before it drains, so no row is lost
-to their start. A node without a live owner writes to and reads from another node's owner
-(remote): a node that joined after the owners started, or one whose owner died. The owners
-belong to the controller: a controller Ray restarts starts them again, empty (the rows they
-held, and what workers that found the old ones write until they restart, are misses).
+A worker asks the controller for the owners when it first reads or writes the cache, and
+finds them once the controller names them, after they answer: until then its reads are
+misses and its writes wait in its node's store, and at the epoch's end it waits for them
+before it drains, so no row is lost to their start. A node without a live owner writes to
+and reads from another node's owner (remote): a node that joined after the owners started,
+or one whose owner died. The owners belong to the controller: a controller Ray restarts
+starts them again, empty (the rows they held, and what workers that found the old ones write
+until they restart, are misses).
 
 The figures count each row once: ``bytes`` and ``objects`` are the cache's distinct contents
 (:func:`pt_ray.cache.store.distinct_figures`), ``stored_bytes`` what every node's store holds
@@ -133,9 +136,9 @@ def create_owners(run_id: str, budget_fraction: float, budget_bytes: int | None 
     ``{node id: actor handle}`` (names: :func:`cache_name` with the node id; an owner of
     that name already alive is reused).
 
-    The run's controller calls it when the cache first turns on (the owners belong to it, so
-    they outlive worker restarts; it cannot know which nodes will run a stage 0): an owner
-    costs an idle process and no CPU, and one created by a worker would die with it."""
+    The run's controller calls it as it starts (the owners belong to it, so they outlive
+    worker restarts; it cannot know which nodes will run a stage 0): an owner costs an idle
+    process and no CPU, and one created by a worker would die with it."""
     owners = {}
     for node in cache_nodes():
         owners[node] = CacheActor.options(
@@ -314,11 +317,11 @@ class RayStore:
     Args:
         owners: ``{node id: actor name}`` of the per-node owners (:func:`create_owners`), or
             one actor name serving every node (a single owner, as on one node): looked up
-            now. Or a function that names the owners once they answer (``{}`` before: the
-            run's owners start when its cache first turns on; called with True it may wait
-            for owners already starting): asked on first use, and again until it names them,
-            at most every ``ask_every_s`` within an epoch. Owners not found or not answering
-            within ``timeout_s`` (gone with their node) are left out.
+            now. Or a function that names the owners once they answer (``{}`` before;
+            called with True it may wait for owners still starting): asked on first use,
+            and again until it names them, at most every ``ask_every_s`` within an epoch.
+            Owners not found or not answering within ``timeout_s`` (gone with their node)
+            are left out.
         timeout_s: longest wait for a lookup or a read before it counts as a miss.
         max_inflight: most batches in flight (or held while the owners start); past it,
             writes are dropped (not waited for).

@@ -71,17 +71,25 @@ class ControllerActor:
         checkpoints: the folder Ray Train writes the run's checkpoints into, where a restarted
             actor finds the state to restore (None: it cannot restore itself).
         cache_run: the run id the activation cache's owners are named after, where the
-            config lets the cache turn on (None: it never does). The owners start when the
-            first plan that reads the cache is decided (:meth:`_start_owners`).
+            config lets the cache turn on (None: it never does). The owners start here, with
+            the controller: while Ray Train's own controller starts, a process start costs
+            the run nothing, where one started when the cache first turns on took a second
+            of CPU from the training steps of a small host.
     """
 
     def __init__(self, config: dict[str, Any], checkpoints: str | None = None,
                  cache_run: str | None = None) -> None:
         setup_logging()
         self.cache_run = cache_run
-        self.owners: dict[str, Any] = {}  # node id -> cache owner, once the cache turned on
-        self.owners_up: asyncio.Task | None = None  # done once every owner answered
         self.cfg = RunConfig.model_validate(config)
+        # node id -> cache owner (a restarted controller finds its owners alive by name).
+        self.owners: dict[str, Any] = {}
+        self.owners_since = time.monotonic()
+        if cache_run is not None:
+            c = self.cfg.cache
+            self.owners = create_owners(cache_run, c.budget_fraction, c.budget_bytes)
+            logger.info("activation cache: starting its owners on %d node(s)", len(self.owners))
+        self.owners_up: asyncio.Task | None = None  # done once every owner answered
         self.checkpoints = Path(checkpoints) if checkpoints else None
         self.state: ControlState | None = None
         self.metric_name = "accuracy"
@@ -108,6 +116,8 @@ class ControllerActor:
         profile name, or a profile built from the detected GPU; the first call's wins);
         ``deterministic_transform`` whether the training data may be cached."""
         self.metric_name = metric_name
+        if self.owners:  # they started with this actor: answered by the cache's first use
+            self._owners_up()
         if self.state is None or self.state.num_workers != num_workers:
             self.state = build_control_state(run_settings(self.cfg).control, num_layers,
                                              num_workers, steps_per_epoch, hardware,
@@ -270,9 +280,10 @@ class ControllerActor:
         return list(self.state.timeline) if self.state else []
 
     async def summary(self) -> dict[str, Any]:
-        """Timeline, decisions, rollbacks, restarts and start-up, for the driver at the end of
-        a run. A controller restarted after the workers' last call restores itself first
-        (:meth:`_restore`; its ``RuntimeError`` says why it cannot)."""
+        """Timeline, decisions, rollbacks, restarts, start-up and whether any plan read the
+        cache, for the driver at the end of a run. A controller restarted after the workers'
+        last call restores itself first (:meth:`_restore`; its ``RuntimeError`` says why it
+        cannot)."""
         if self.state is None:
             await self._restore()
         state = self._state()
@@ -281,46 +292,39 @@ class ControllerActor:
         return {"timeline": list(state.timeline), "decisions": list(state.decisions),
                 "metric_name": self.metric_name, "restarts": self.restarts,
                 "rollbacks": rollbacks, "startup": self.startup_figures,
-                "start_trials": list(state.start_trials)}
+                "start_trials": list(state.start_trials),
+                "cache_on": any(plan.cache for plan in state.plans.values())}
 
     async def cache_owners(self, wait: bool = False) -> dict[str, str]:
         """``{node id: actor name}`` of the cache's owners once every one answered (or the
-        wait for them ended); ``{}`` before, and in a run whose cache has not turned on.
-        ``wait``: wait for owners already starting, up to a minute."""
-        if self.owners_up is None:
+        wait for them ended); ``{}`` before, and in a run whose config rules the cache out.
+        A worker asks only once a plan reads or writes the cache. ``wait``: wait for owners
+        still starting, up to a minute."""
+        if not self.owners:
             return {}
-        if wait and not self.owners_up.done():
-            await asyncio.wait([self.owners_up], timeout=_OWNERS_START_S)
-        if not self.owners_up.done():
+        up = self._owners_up()
+        if wait and not up.done():
+            await asyncio.wait([up], timeout=_OWNERS_START_S)
+        if not up.done():
             return {}
         return {node: cache_name(self.cache_run, node) for node in self.owners}
 
-    def _start_owners(self) -> None:
-        """Start the cache's owners, one per node, once a plan reads the cache (a run whose
-        cache never turns on starts none, and none competes with Ray Train's worker group
-        for process starts). They belong to this actor, so they outlive worker restarts."""
-        if (self.cache_run is None or self.owners_up is not None or self.state is None
-                or not any(plan.cache for plan in self.state.plans.values())):
-            return
-        c = self.cfg.cache
-        self.owners = create_owners(self.cache_run, c.budget_fraction, c.budget_bytes)
-        logger.info("activation cache: starting its owners on %d node(s)", len(self.owners))
-        self.owners_up = asyncio.get_running_loop().create_task(self._wait_owners())
+    def _owners_up(self) -> asyncio.Task:
+        """The wait for every owner to answer, begun on first use (in the actor's loop)."""
+        if self.owners_up is None:
+            self.owners_up = asyncio.get_running_loop().create_task(self._wait_owners())
+        return self.owners_up
 
     async def _wait_owners(self) -> None:
         """Until every owner answers (one that cannot is left out by the workers)."""
-        if not self.owners:  # no node can host a worker: nothing to wait for
-            return
-        started = time.monotonic()
         done, _ = await asyncio.wait([asyncio.ensure_future(owner.lineage.remote())
                                       for owner in self.owners.values()],
                                      timeout=_OWNERS_START_S)
         failed = sum(1 for answer in done if answer.exception() is not None)
-        logger.info("activation cache: %d of %d owners up in %.1f s", len(done) - failed,
-                    len(self.owners), time.monotonic() - started)
+        logger.info("activation cache: %d of %d owners up %.1f s after they started",
+                    len(done) - failed, len(self.owners), time.monotonic() - self.owners_since)
 
     async def _notify(self) -> None:
-        self._start_owners()
         async with self.changed:
             self.changed.notify_all()
 

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 _CONTROLLER_RESTARTS = 3
 
 # pt-ray's own actors on an embedded cluster's one node: the controller and the cache owner
-# (which starts later, when the cache first turns on: the slot serves a restart's controller).
+# it starts (the slots also serve a restarted controller).
 _OWN_ACTORS = 2
 
 # Ray Train 2.60's wait for its worker group's placement group, per attempt (default 60 s); a
@@ -152,9 +152,9 @@ def ensure_ray(pipeline: PipelineConfig, cache: CacheConfig, min_cpus: float = 0
         # own), so none could take them: starting them would only take CPU from the run's own
         # processes while they start.
         # Ray starts at most as many worker processes at once as the host has CPUs; the
-        # controller (a zero-CPU actor, created just before TorchTrainer.fit()) would take
-        # one of those start slots from Ray Train's own controller and workers while they
-        # start, and the cache owner one later. Slots for them: on a small head Ray Train
+        # controller (a zero-CPU actor, created just before TorchTrainer.fit()) and the cache
+        # owner it starts would take two of those start slots from Ray Train's own
+        # controller and workers while they start. Slots for them: on a small head Ray Train
         # does not wait for pt-ray's actors to start.
         _system_config={"prestart_worker_first_driver": False,
                         "worker_maximum_startup_concurrency":
@@ -369,9 +369,9 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
     # A lost controller comes back (Ray restarts it) and restores itself from the latest
     # checkpoint in the run's storage folder when the workers find it again.
     # The cache's owners, one per node, outlive worker restarts (objects die with whoever put
-    # them): the controller starts them when a plan first reads the cache (the dataset's
-    # transform and the planner's prediction decide that later; the config alone may already
-    # rule it out).
+    # them): the controller starts them as it starts, beside Ray Train's own start, wherever
+    # the config lets the cache turn on (the dataset's transform and the planner's
+    # predictions decide later whether a plan reads it).
     cache = may_turn_on(cfg.cache, cfg.freeze)
     controller = ControllerActor.options(
         name=controller_name(run_id), max_restarts=_CONTROLLER_RESTARTS,
@@ -399,7 +399,7 @@ def _run(cfg: RunConfig, choice: DeviceChoice, run_dir: Path, worker_env: dict[s
             raise failure from err
         summary = _final_summary(controller)
         owners = _cache_owners(run_id) if cache else {}
-        if owners:
+        if owners and summary.get("cache_on"):
             cache_report = _cache_report(owners)
     finally:
         # The cache owners die with the controller; killed here too, at once (looked up here
@@ -445,8 +445,8 @@ def _final_summary(controller: Any) -> dict[str, Any]:
 
 
 def _cache_owners(run_id: str) -> dict[str, Any]:
-    """``{node id: actor handle}`` of the run's cache owners alive now (none where its
-    controller never started them: the cache did not turn on)."""
+    """``{node id: actor handle}`` of the run's cache owners alive now (none where the
+    config ruled the cache out: its controller started none)."""
     found = {}
     for node in cache_nodes():
         try:

@@ -217,7 +217,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     controller = RayController(config["controller"], cfg.pipeline.collective_timeout_s,
                                checkpoints_after=cfg.checkpoints_after)
     device = _device(config["device"])
-    # The cache's owners start when it first turns on; the store asks the controller for them.
+    # The controller started the cache's owners; the store asks it for them on first use.
     store = RayStore(controller.cache_owners) if config.get("cache") else None
     # Rank 0 shows each epoch's progress (plain lines: a Ray worker's stdout is no terminal).
     progress = RunProgress(
