@@ -21,8 +21,13 @@ figure ``compare.py`` sums) and CPU time, and engine / peer - 1. Evaluation is o
 With ``--profile`` rank 0 also prints the functions that take the most time in one more
 epoch of each loop (cProfile, cumulative time).
 
+With ``--policy P`` the second loop is the engine again, with ``freeze.policy=none``, and the
+first runs ``freeze.policy=P`` with ``freeze.max_frozen=0``: the policy's decisions (inside
+epochs where its interval puts them) and block norms, with nothing ever frozen, so both do the
+same work. The ratio is then what the policy's bookkeeping costs a run that freezes nothing.
+
   .venv/bin/python bench/engine_tax.py [--config FILE] [--set k=v ...] [--rounds 8]
-      [--out bench/out/engine_tax] [--profile]
+      [--policy P] [--out bench/out/engine_tax] [--profile]
 """
 
 from __future__ import annotations
@@ -118,10 +123,29 @@ def _profiled(label: str, run) -> str:
     return f"--- {label} ---\n{out.getvalue()}"
 
 
-def _rank(rank: int, world: int, cfg, rounds: int, profile: bool) -> dict:
+def _label(cfg) -> str:
+    """How a loop is named in the output: ``engine`` against the peer, else its policy."""
+    return "peer" if cfg is None else f"engine ({cfg.freeze.policy})"
+
+
+class _Engine:
+    """The engine as the second loop (``--policy``): one epoch per call, its training time."""
+
+    def __init__(self, cfg, splits) -> None:
+        self.worker = _engine(cfg, splits)
+
+    def epoch(self, epoch: int) -> float:
+        return self.worker.train_epoch(epoch).epoch_time_s
+
+
+def _rank(rank: int, world: int, cfg, other, rounds: int, profile: bool) -> dict:
+    """One rank: ``cfg``'s engine against the peer's loop, or (``other``) against the engine
+    under ``other``; returns the rounds' times (rank 0's report has the profile)."""
     torch.manual_seed(cfg.seed)
     splits = build_dataset(cfg.data, seed=cfg.seed, tokenizer_dir=cfg.model.weights)
-    engine, peer = _engine(cfg, splits), _Peer(cfg, splits)
+    # "engine" runs ``cfg``; "peer" the peer's loop, or with ``other`` the engine under it.
+    engine = _engine(cfg, splits)
+    peer = _Peer(cfg, splits) if other is None else _Engine(other, splits)
     rows = []
     for r in range(rounds + 1):  # round 0 warms both up and is not counted
         order = ("engine", "peer") if r % 2 == 0 else ("peer", "engine")
@@ -131,14 +155,15 @@ def _rank(rank: int, world: int, cfg, rounds: int, profile: bool) -> dict:
             if arm == "engine":
                 rec = engine.train_epoch(r)
                 train = rec.epoch_time_s  # already the slowest rank's
+                row["engine_frozen"] = rec.num_frozen
             else:
                 train = _slowest(peer.epoch(r))
             row[arm] = train
             row[f"{arm}_cpu"] = _slowest(time.process_time() - cpu)
         rows.append(row)
         if rank == 0 and r:
-            print(f"round {r}: engine {row['engine']:.3f} s, peer {row['peer']:.3f} s, "
-                  f"tax {row['engine'] / row['peer'] - 1:+.1%}", flush=True)
+            print(f"round {r}: {_label(cfg)} {row['engine']:.3f} s, {_label(other)} "
+                  f"{row['peer']:.3f} s, tax {row['engine'] / row['peer'] - 1:+.1%}", flush=True)
     report = ""
     if profile and rank == 0:
         # One more epoch each; the other ranks run theirs unprofiled alongside.
@@ -148,7 +173,10 @@ def _rank(rank: int, world: int, cfg, rounds: int, profile: bool) -> dict:
         engine.train_epoch(rounds + 1)
         peer.epoch(rounds + 1)
     engine.close()
-    return {"rows": rows[1:], "profile": report}
+    if isinstance(peer, _Engine):
+        peer.worker.close()
+    # Decisions the first loop took (one opens each epoch; its interval may add more).
+    return {"rows": rows[1:], "profile": report, "decisions": engine.decision}
 
 
 def main(argv=None) -> int:
@@ -158,33 +186,44 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8, help="counted rounds (one epoch each)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "engine_tax")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--policy", help="time the engine under this freeze policy, with "
+                    "freeze.max_frozen=0 (its decisions and block norms, nothing frozen), "
+                    "against the engine with freeze.policy=none instead of the peer's loop")
     args = ap.parse_args(argv)
     rounds = args.rounds
-    cfg = resolve_config(args.config, [
-        *args.set, "freeze.policy=none", "pipeline.pipeline_length=1", "cache.mode=off",
-        f"epochs={rounds + 3}", "eval_every=1000", "logging.every_steps=0"])
-    peer_ddp.check_config(cfg)
+    common = [*args.set, "pipeline.pipeline_length=1", "cache.mode=off",
+              f"epochs={rounds + 3}", "eval_every=1000", "logging.every_steps=0"]
+    base = resolve_config(args.config, [*common, "freeze.policy=none"])
+    peer_ddp.check_config(base)
+    cfg, other = base, None
+    if args.policy is not None:
+        cfg = resolve_config(args.config, [*common, f"freeze.policy={args.policy}",
+                                           "freeze.max_frozen=0"])
+        other = base
+    second = "peer" if other is None else "the engine with freeze.policy=none"
     world = cfg.pipeline.num_workers
-    print(f"{cfg.name}: {world} ranks, {rounds} rounds of one epoch per loop (abba order)",
-          flush=True)
-    results = run_ranks(_rank, world, cfg, rounds, args.profile, timeout=7200)
+    print(f"{cfg.name}: {world} ranks, {rounds} rounds of one epoch per loop (abba order); "
+          f"the engine with freeze.policy={cfg.freeze.policy} against {second}", flush=True)
+    results = run_ranks(_rank, world, cfg, other, rounds, args.profile, timeout=7200)
     rows = results[0]["rows"]
     tax = [row["engine"] / row["peer"] - 1 for row in rows]
     cpu_tax = [row["engine_cpu"] / row["peer_cpu"] - 1 for row in rows]
     summary = {
-        "config": cfg.name, "ranks": world, "rounds": rounds,
+        "config": cfg.name, "ranks": world, "rounds": rounds, "policy": args.policy,
         "engine_s": statistics.median(r["engine"] for r in rows),
         "peer_s": statistics.median(r["peer"] for r in rows),
         "tax_median": statistics.median(tax), "tax_min": min(tax), "tax_max": max(tax),
         "cpu_tax_median": statistics.median(cpu_tax),
+        "engine_decisions": results[0]["decisions"],
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "engine_tax.json").write_text(json.dumps(summary, indent=1))
-    print(f"\nengine tax at K=1 (engine / peer - 1, training time per epoch): "
+    a, b = _label(cfg), _label(other)
+    print(f"\n{a} against {b} at K=1 ({a} / {b} - 1, training time per epoch): "
           f"median {summary['tax_median']:+.1%} (range {summary['tax_min']:+.1%} .. "
           f"{summary['tax_max']:+.1%}); CPU time {summary['cpu_tax_median']:+.1%}\n"
-          f"median epoch: engine {summary['engine_s']:.3f} s, peer {summary['peer_s']:.3f} s\n"
+          f"median epoch: {a} {summary['engine_s']:.3f} s, {b} {summary['peer_s']:.3f} s\n"
           f"wrote {args.out / 'engine_tax.json'}")
     if results[0]["profile"]:
         print(results[0]["profile"])

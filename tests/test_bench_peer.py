@@ -229,6 +229,19 @@ def test_engine_tax_times_both_loops_on_the_same_ranks(tmp_path):
     assert got["tax_median"] == pytest.approx(sum(taxes) / 2)
     assert got["tax_min"] == taxes[0] and got["tax_max"] == taxes[1]
 
+    # --policy: the engine under settled (decisions every 2 steps, nothing ever frozen) against
+    # the engine with none, on the same ranks.
+    assert engine_tax.main(["--config", str(path), "--rounds", "2", "--policy", "settled",
+                            "--set", "freeze.interval=steps", "--set", "freeze.interval_steps=2",
+                            "--out", str(tmp_path / "policy")]) == 0
+    got = json.loads((tmp_path / "policy" / "engine_tax.json").read_text())
+    assert got["policy"] == "settled"
+    assert all(r["engine"] > 0 and r["peer"] > 0 and r["engine_frozen"] == 0
+               for r in got["rows"])
+    # 3 epochs (the warm-up round and 2 counted) of 15 steps: one decision opens each epoch
+    # and one more follows every 2 steps inside it (freeze.policy=none decides per epoch).
+    assert got["engine_decisions"] > 3
+
 
 @pytest.mark.unit
 def test_the_warm_up_runs_are_printed_as_the_cold_start_and_kept_out_of_the_medians():
