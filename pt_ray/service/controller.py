@@ -72,9 +72,10 @@ class ControllerActor:
             actor finds the state to restore (None: it cannot restore itself).
         cache_run: the run id the activation cache's owners are named after, where the
             config lets the cache turn on (None: it never does). The owners start here, with
-            the controller: while Ray Train's own controller starts, a process start costs
-            the run nothing, where one started when the cache first turns on took a second
-            of CPU from the training steps of a small host.
+            the controller, so their process starts overlap Ray Train's own controller start
+            (on an embedded cluster, in start slots kept for them); started when the cache
+            first turns on, an owner took about a second of CPU from that epoch's training
+            steps on a small host.
     """
 
     def __init__(self, config: dict[str, Any], checkpoints: str | None = None,
@@ -82,7 +83,7 @@ class ControllerActor:
         setup_logging()
         self.cache_run = cache_run
         self.cfg = RunConfig.model_validate(config)
-        # node id -> cache owner (a restarted controller finds its owners alive by name).
+        # node id -> cache owner (they die with this actor: a restarted one starts new ones).
         self.owners: dict[str, Any] = {}
         self.owners_since = time.monotonic()
         if cache_run is not None:
