@@ -4,10 +4,11 @@ An object belongs to the process that ``ray.put`` it and dies with it (``ray.put
 other owner: its ``_owner=`` argument raises), and Ray Train's workers die at every restart.
 So the run's controller creates one :class:`CacheActor` per node that may run a worker
 (:func:`create_owners`), pinned there (node affinity, not soft), as the controller itself
-starts, while Ray Train's own controller starts: a process start then costs the run nothing,
-where one started when the cache first turns on takes its CPU from the training steps on a
-small host. A run whose config rules the cache out starts none; one whose cache never turns
-on keeps an idle owner process per node. Each owns the cache objects of its node:
+starts, while Ray Train's own controller starts (on an embedded cluster in start slots kept
+for them; on an attached small one they can delay Ray Train's workers instead), where one
+started when the cache first turns on took its CPU from the training steps on a small host.
+A run whose config rules the cache out starts none; one whose cache never turns on keeps an
+idle owner process per node. Each owns the cache objects of its node:
 
 1. a stage-0 worker ``ray.put`` s the rows it computed, a few MiB per object, into its node's
    store, and hands the reference to its own node's owner without waiting (``put_refs``; a
