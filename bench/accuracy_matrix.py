@@ -452,7 +452,8 @@ def summarise(doc: dict[str, Any]) -> str:
                 f"{_pct(up['final_metric'])}% on its eval split")
     lines += ["", "Frozen by epoch: `0x6 5x14` is 0 blocks for 6 epochs, then 5 for 14. "
               "Bound: `pt_ray.reporting.summary.ideal_speedup` of the timeline, a frozen block "
-              "costing its forward, and with the cache nothing.", "", *verdicts]
+              "costing its forward, and with the cache nothing from the epoch after it froze.", "",
+              *verdicts]
     if failed:
         lines += ["", *(f"- failed: {c['workload']} {c['policy']} seed {c['seed']}: "
                         f"{c['error']}" for c in failed)]

@@ -55,7 +55,8 @@ def epoch_bound_cost(rec: dict[str, Any]) -> float:
 
 def bound_for(timeline: list[dict[str, Any]]) -> dict[str, float]:
     """The ideal bound of a freeze timeline against no freezing: with the cache hit rates the
-    run recorded (the figure the fraction uses), without any cache, and with a perfect one."""
+    run recorded (the figure the fraction uses), without any cache, and with an ideal one
+    (serving every frozen block from the epoch after it froze)."""
     base = sum(3.0 * r["num_layers"] for r in timeline)
     run = sum(epoch_bound_cost(r) for r in timeline)
     return {

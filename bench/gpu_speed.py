@@ -240,7 +240,8 @@ def run_arm(shape: dict, arm: Arm, device: torch.device, precision: str,
         "final_eval_accuracy": timeline[-1].eval_metric,
         "final_train_loss": timeline[-1].train_loss,
         # Over the epochs the rate counts.
-        "ideal_bound": ideal_speedup(timeline[1:] or timeline, cached=arm.cache is not None),
+        "ideal_bound": ideal_speedup(timeline, cached=arm.cache is not None,
+                                     from_epoch=1 if len(timeline) > 1 else 0),
         "epoch_time_s": [round(r.epoch_time_s, 4) for r in timeline],
     }
 

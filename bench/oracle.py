@@ -9,7 +9,8 @@ steps after it. The accuracy guard is off in every branch (this measures what a 
 not what the guard would have undone).
 
 Each cell (k blocks from fraction s) records its final eval metric and the ideal bound of its
-timeline, with the cache (a frozen block costs nothing once cached) and without
+timeline, with the cache (a frozen block costs nothing from the epoch after it froze, when
+the rows that epoch cached are read) and without
 (``pt_ray.reporting.summary.ideal_speedup``). The table gives, per cell, the mean over seeds and
 the change against ``none`` in points; the best cell is the highest bound with the cache whose
 mean stays within ``--tolerance`` points (0.5) of ``none``. Writes ``<out>/oracle.json`` (after

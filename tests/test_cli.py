@@ -154,9 +154,20 @@ def _record(epoch: int, num_frozen: int) -> EpochRecord:
 def test_ideal_speedup_of_a_literal_timeline():
     timeline = [_record(e, n) for e, n in enumerate([0, 2, 3, 3])]
     # No freezing: 4 epochs x 4 blocks x 3 units = 48. This run: 12 + (6 + 2) + (3 + 3) + (3 + 3)
-    # = 32 without the cache, 12 + 6 + 3 + 3 = 24 with it.
+    # = 32 without the cache. With it an epoch is served only as deep as the epoch before ran
+    # frozen (its rows are read in the next epoch): 12 + (6 + 2) + (3 + 1) + 3 = 27, where
+    # pricing every frozen block as cached would give 24 (2.0x).
     assert ideal_speedup(timeline) == pytest.approx(48 / 32)
-    assert ideal_speedup(timeline, cached=True) == pytest.approx(2.0)
+    assert ideal_speedup(timeline, cached=True) == pytest.approx(48 / 27)
+    # Blocks frozen inside an epoch count by their mean over its steps: 2 blocks from half-way
+    # through epoch 1 (mean 1) are served in epoch 2 only as deep as that mean.
+    grew = [{"num_frozen": n, "mean_frozen": m, "num_layers": 4}
+            for n, m in [(0, 0.0), (2, 1.0), (2, 2.0)]]
+    # 12 + (9 + 1) + (6 + 1) = 29 with the cache; 12 + 10 + 8 = 30 without.
+    assert ideal_speedup(grew, cached=True) == pytest.approx(36 / 29)
+    assert ideal_speedup(grew) == pytest.approx(36 / 30)
+    # Priced from epoch 1 on, epoch 0 still says what the cache holds: 24 / (10 + 7).
+    assert ideal_speedup(grew, cached=True, from_epoch=1) == pytest.approx(24 / 17)
     as_dicts = [
         {"num_frozen": r.num_frozen, "num_layers": r.num_layers} for r in timeline
     ]

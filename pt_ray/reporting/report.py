@@ -164,7 +164,8 @@ def format_table(summary: SummaryLike, baseline: SummaryLike | None = None) -> s
             f"{_fmt(s.get('wall_time_s'), '.1f')} s (start-up and evaluation included)\n"
             f"ideal speedup bound from the freeze timeline: {bound:.2f}x vs no freezing")
     if cached is not None:
-        foot += f" ({cached:.2f}x with the frozen prefix fully cached)"
+        foot += (f" ({cached:.2f}x with the cache, serving each frozen block from the "
+                     "epoch after it froze)")
     for line_ in rollback_lines(s):
         foot += "\n" + line_
     if baseline is not None:
