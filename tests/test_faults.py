@@ -163,6 +163,29 @@ def test_controller_killed_mid_run_is_restarted_and_rebuilt_from_the_checkpoint(
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
+def test_after_a_controller_restart_the_workers_find_its_new_cache_owners(ray_cluster, tmp_path):
+    # The cache on and 2 blocks frozen from epoch 1 to the end. Rank 0 kills the controller
+    # before step 3 of epoch 1: its cache owner dies with it, and the restarted controller
+    # starts a new, empty one under the same name. The rows epoch 1 wrote are lost, so epoch 2
+    # misses everywhere; the workers meet the dead owner, ask the controller again and write
+    # epoch 2's rows to the new one, which serves every read of epoch 3.
+    extra = {"cache": {"mode": "on", "block_size": 16}, "epochs": 4,
+             "freeze": {"policy": "schedule", "alpha": 0.5, "max_frozen": 2,
+                        "warmup_epochs": 1}}
+    result = _run_with_fault(tmp_path, "fault-controller-cache", "controller:1:3:0", **extra)
+    assert result.restarts == 0
+    assert [r.num_frozen for r in result.timeline] == [0, 2, 2, 2]
+    assert [r.cache_hit_rate for r in result.timeline] == [0.0, 0.0, 0.0, 1.0]
+    # And the run ends where the reference trainer's run of the same config does.
+    ref = tiny_config(tmp_path / "ref", engine="reference", **extra)
+    trainer = build_reference(run_settings(ref).reference)
+    trainer.fit()
+    reference = {name: m.state_dict() for name, m in iter_layers(trainer.adapter)}
+    assert max_difference(result.checkpoint, reference) <= 1e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
 def test_controller_killed_after_the_workers_last_call_still_gives_the_whole_summary(
         ray_cluster, tmp_path, reference_params):
     # Rank 0 kills the controller once training is over: Ray restarts it empty and no worker

@@ -45,8 +45,9 @@ misses and its writes wait in its node's store, and at the epoch's end it waits 
 before it drains, so no row is lost to their start. A node without a live owner writes to
 and reads from another node's owner (remote): a node that joined after the owners started,
 or one whose owner died. The owners belong to the controller: a controller Ray restarts
-starts them again, empty (the rows they held, and what workers that found the old ones write
-until they restart, are misses).
+starts them again, empty, under the same names. A worker whose call meets a dead owner asks
+the controller for the owners again and finds the new ones (the rows the old ones held, and
+what it wrote to them since they died, are misses).
 
 The figures count each row once: ``bytes`` and ``objects`` are the cache's distinct contents
 (:func:`pt_ray.cache.store.distinct_figures`), ``stored_bytes`` what every node's store holds
@@ -66,7 +67,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pt_ray.cache.size import store_budget
@@ -439,9 +440,24 @@ class RayStore:
             return default
         try:
             return ray.get(getattr(actor, method).remote(*args), timeout=self.timeout_s)
+        except ActorDiedError:
+            self._lost()
+            return default
         except RayError as err:
             self._warn(f"{method} failed ({type(err).__name__})")
             return default
+
+    def _lost(self) -> None:
+        """An owner died: with its controller (a restarted controller starts new, empty owners
+        under the same names), or with its node. Where a function names the owners, it is
+        asked again (within a step no more than every ``ask_every_s``; until they answer,
+        reads are misses and writes are held); else reads are misses from here on."""
+        if self._names is None:
+            self._warn("a cache owner died")
+            return
+        logger.warning("activation cache: an owner died; asking for the owners again")
+        self._found, self.actor, self.peers, self._peer_lineage = False, None, {}, {}
+        self._snapshot, self._next_ask = None, 0.0
 
     def _warn(self, what: str) -> None:
         if not self._warned:
