@@ -84,7 +84,9 @@ def test_the_reference_engine_chooses_once_builds_once_and_exports_that_model(
 @pytest.mark.timeout(600)
 def test_the_ray_engine_driver_chooses_once_builds_the_data_once_and_the_model_for_the_export(
         ray_cluster, tmp_path, driver_counts):
-    result = fit(tiny_config(tmp_path, "ray", logging={"report": False}))
+    # cache.min_frozen=2 lets the cache turn on, but only past the one block that freezes.
+    result = fit(tiny_config(tmp_path, "ray", logging={"report": False},
+                             cache={"min_frozen": 2}))
     # The preflight's build holds shapes only; the export loads the last checkpoint into the
     # one real model. The workers (other processes) build their own and are not counted.
     assert driver_counts["full builds"] == 1
@@ -96,6 +98,12 @@ def test_the_ray_engine_driver_chooses_once_builds_the_data_once_and_the_model_f
     data = json.loads((result.run_dir / "summary.json").read_text())["data"]
     assert data["read_by_workers"] is True
     assert data["shipped_bytes"] > 64 * 3 * 8 * 8  # the 64 training images at least
+    # The config lets the cache turn on (a block freezes, cache.mode=auto), so the controller
+    # started its owner; no plan read it (one frozen block, below cache.min_frozen), so the
+    # summary has no cache figures.
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert max(r["num_frozen"] for r in summary["timeline"]) == 1
+    assert summary["cache"] == {}
 
 
 @pytest.mark.unit
