@@ -13,7 +13,7 @@ import torch
 
 from pt_ray.core.config import build_config
 from pt_ray.data.base import SubsetDataset
-from pt_ray.data.registry import build_dataset
+from pt_ray.data.registry import build_dataset, cap_train
 from pt_ray.service.shipped import SHIP_FRACTION, held_bytes, ship_splits, ships
 
 
@@ -36,6 +36,10 @@ def test_held_bytes_is_about_the_pickled_size_of_real_splits():
     # A subset pickles its base whole; its size is the base's, not the kept rows'.
     sub = SubsetDataset(splits.train, [0, 1, 2])
     assert held_bytes(sub) >= held_bytes(splits.train)
+    # Also inside the splits (data.num_samples on a dataset of files), two levels deeper.
+    capped = cap_train(splits, 16, seed=0)
+    pickled = len(pickle.dumps(capped))
+    assert 0.8 * pickled <= held_bytes(capped) <= 1.05 * pickled
 
 
 @pytest.mark.unit

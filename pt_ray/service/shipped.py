@@ -26,7 +26,8 @@ SHIP_FRACTION = 0.25
 """The largest dataset shipped through the object store, as a fraction of the smallest node's
 store."""
 
-_DEPTH = 6  # DatasetSplits -> split -> its base split -> tensors, with room to spare
+_DEPTH = 6  # DatasetSplits -> a subset split -> its base split -> a tuple -> tensors, and one
+# more
 
 
 def held_bytes(obj: Any, depth: int = _DEPTH) -> int:
@@ -47,8 +48,8 @@ def held_bytes(obj: Any, depth: int = _DEPTH) -> int:
         return sum(held_bytes(v, depth - 1) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(held_bytes(v, depth - 1) for v in obj)
-    fields = getattr(obj, "__dict__", None)
-    return held_bytes(fields, depth - 1) if isinstance(fields, dict) else 0
+    fields = getattr(obj, "__dict__", None)  # an object and its attributes: one level
+    return held_bytes(fields, depth) if isinstance(fields, dict) else 0
 
 
 def ships(size: int, capacities: list[int]) -> bool:
