@@ -26,6 +26,7 @@ from pt_ray.data import (
     read_idx,
     synthetic_text,
 )
+from pt_ray.data.registry import cap_train
 from pt_ray.data.wordnet import LEXNAMES, dev_keys, read_glosses
 
 pytestmark = pytest.mark.unit
@@ -221,6 +222,50 @@ def test_wordnet_dev_is_the_same_2000_for_every_seed(tmp_path: Path) -> None:
     assert torch.equal(_all(runs[0].eval).inputs[0], _all(runs[1].eval).inputs[0])
     # num_samples caps the training split by seed; the dev split never moves.
     assert not torch.equal(_all(runs[0].train).inputs[0], _all(runs[1].train).inputs[0])
+
+
+@needs_tokenizer
+def test_wordnet_caps_the_training_glosses_before_tokenising_them(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    # The rows and their order are those of capping the whole split afterwards (the
+    # registry's cap_train), but only the kept glosses and the dev split are tokenised.
+    nouns = [(1000 + 37 * i, 3 + i % 5, f"gloss {i} of noun {i * 7 % 13}") for i in range(300)]
+    write_wordnet(tmp_path, {"noun": nouns})
+    import pt_ray.data.wordnet as wordnet
+
+    tokenised: list[int] = []
+    encode = wordnet.classification_dataset
+    monkeypatch.setattr(wordnet, "classification_dataset", lambda tok, texts, *a: (
+        tokenised.append(len(texts)) or encode(tok, texts, *a)))
+    full = load_wordnet(tmp_path, TOKENIZER, seq_len=12, dev_size=20)
+    assert tokenised == [280, 20]
+    tokenised.clear()
+    capped = load_wordnet(tmp_path, TOKENIZER, seq_len=12, dev_size=20, num_samples=50, seed=3)
+    assert tokenised == [50, 20]
+    want = cap_train(full, 50, 3)
+    _assert_same_samples(capped, want)
+    # Through the registry (its dev split is 2,000): the rows of capping afterwards, its own
+    # cap keeping them all. With data.classes the registry caps what the classes leave, so
+    # every training gloss is tokenised.
+    more = [(90000 + 37 * i, 7, f"more {i}") for i in range(2000)]
+    write_wordnet(tmp_path, {"noun": nouns + more})
+    cfg = DataConfig(name="wordnet", path=tmp_path, tokenizer=TOKENIZER, seq_len=12,
+                     num_samples=40)
+    tokenised.clear()
+    built = build_dataset(cfg, seed=1)
+    assert tokenised == [40, 2000]
+    _assert_same_samples(built, cap_train(load_wordnet(tmp_path, TOKENIZER, seq_len=12), 40, 1))
+    tokenised.clear()
+    build_dataset(cfg.model_copy(update={"classes": [0, 1]}), seed=1)
+    assert tokenised == [300, 2000]
+
+
+def _assert_same_samples(got, want) -> None:
+    for a_split, b_split in ((got.train, want.train), (got.eval, want.eval)):
+        a, b = _all(a_split), _all(b_split)
+        assert len(a_split) == len(b_split)
+        assert all(torch.equal(x, y) for x, y in zip(a.inputs, b.inputs, strict=True))
+        assert torch.equal(a.target, b.target)
 
 
 def test_wordnet_missing_or_damaged_files_name_the_package(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from pt_ray.core.config import ConfigError, DataConfig
@@ -110,6 +111,15 @@ FAST_PATHS: dict[str, type] = {"batch": BatchedSamples, "targets": IndexedTarget
 def fast_paths(dataset: SampleDataset) -> tuple[str, ...]:
     """The short names (:data:`FAST_PATHS`) of the fast paths ``dataset`` offers."""
     return tuple(name for name, proto in FAST_PATHS.items() if isinstance(dataset, proto))
+
+
+def capped_rows(n: int, num_samples: int, seed: int) -> np.ndarray | None:
+    """The training rows ``data.num_samples`` keeps of ``n``: a seeded random ``num_samples``,
+    ascending (None: it keeps all). The registry caps a built split with it; a builder that
+    reads many more rows than it keeps may take the same rows before it tokenises them."""
+    if num_samples >= n:
+        return None
+    return np.sort(np.random.default_rng([seed, 7]).permutation(n)[:num_samples])
 
 
 def data_root(cfg: DataConfig) -> Path:

@@ -13,12 +13,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.core.datasets import DATASETS as ENTRIES
-from pt_ray.data.base import DatasetSplits, SubsetDataset, fast_paths, gather_targets
+from pt_ray.data.base import (
+    DatasetSplits,
+    SubsetDataset,
+    capped_rows,
+    fast_paths,
+    gather_targets,
+)
 
 __all__ = ["DATASETS", "build_dataset", "cap_train", "keep_classes"]
 
@@ -43,9 +48,9 @@ def cap_train(splits: DatasetSplits, num_samples: int, seed: int) -> DatasetSpli
     The kept samples are re-indexed ``0..num_samples-1`` in their original order.
     """
     n = len(splits.train)
-    if num_samples >= n:
+    keep = capped_rows(n, num_samples, seed)
+    if keep is None:
         return splits
-    keep = np.sort(np.random.default_rng([seed, 7]).permutation(n)[:num_samples])
     logger.info("%s: keeping %d of %d training samples", splits.name, num_samples, n)
     return DatasetSplits(
         name=splits.name,

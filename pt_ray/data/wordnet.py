@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from pt_ray.core.config import ConfigError, DataConfig
 from pt_ray.core.datasets import WORDNET
-from pt_ray.data.base import DatasetSplits, data_root
+from pt_ray.data.base import DatasetSplits, capped_rows, data_root
 from pt_ray.data.text import classification_dataset, load_tokenizer
 
 __all__ = ["LEXNAMES", "WORDNET_DEV_SIZE", "WORDNET_POS", "Gloss", "build_wordnet", "dev_keys",
@@ -108,6 +108,8 @@ def load_wordnet(
     seq_len: int = 128,
     parts_of_speech: Sequence[str] = ("noun",),
     dev_size: int = WORDNET_DEV_SIZE,
+    num_samples: int | None = None,
+    seed: int = 0,
 ) -> DatasetSplits:
     """WordNet glosses classified by lexicographer file; see the module docstring.
 
@@ -118,6 +120,11 @@ def load_wordnet(
         parts_of_speech: which ``data.<part>`` files to read (``noun``, ``verb``, ``adj``,
             ``adv``).
         dev_size: synsets in the dev split; every other one is a training example.
+        num_samples: keep only the training rows ``data.num_samples`` keeps under ``seed``
+            (:func:`pt_ray.data.base.capped_rows`), chosen before tokenising: the same rows
+            in the same order as capping the whole split afterwards, without tokenising the
+            other 70,000 glosses (None: every training gloss).
+        seed: the run's seed, for ``num_samples``.
 
     Returns:
         Splits in file order (about 80,000 training and 2,000 dev glosses for the nouns).
@@ -140,6 +147,12 @@ def load_wordnet(
     splits = {}
     for part, in_dev in (("train", False), ("dev", True)):
         rows = [g for g in glosses if ((g.pos, g.offset) in dev) == in_dev]
+        keep = capped_rows(len(rows), num_samples, seed) if part == "train" and (
+            num_samples is not None) else None
+        if keep is not None:
+            logger.info("wordnet: keeping %d of %d training glosses (data.num_samples)",
+                        len(keep), len(rows))
+            rows = [rows[i] for i in keep.tolist()]
         splits[part] = classification_dataset(tokenizer, [g.text for g in rows], None,
                                               [label[g.lex_file] for g in rows], seq_len)
     logger.info("wordnet %s (%s): %d train, %d dev glosses, %d classes (%s .. %s)", root,
@@ -151,6 +164,9 @@ def load_wordnet(
 
 
 def build_wordnet(cfg: DataConfig, seed: int, tok: Path | None) -> DatasetSplits:
-    """``data.name=wordnet``."""
+    """``data.name=wordnet``. Without ``data.classes`` the training cap is taken before
+    tokenising (the registry's cap then keeps everything); with them the registry caps what
+    the classes leave, as for every dataset."""
+    cap = cfg.num_samples if cfg.classes is None else None
     return load_wordnet(data_root(cfg), tok, seq_len=cfg.seq_len,
-                        parts_of_speech=cfg.parts_of_speech)
+                        parts_of_speech=cfg.parts_of_speech, num_samples=cap, seed=seed)
