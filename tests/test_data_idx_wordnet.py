@@ -26,6 +26,7 @@ from pt_ray.data import (
     read_idx,
     synthetic_text,
 )
+import pt_ray.data.wordnet as wordnet
 from pt_ray.data.registry import cap_train
 from pt_ray.data.wordnet import LEXNAMES, dev_keys, read_glosses
 
@@ -231,8 +232,6 @@ def test_wordnet_caps_the_training_glosses_before_tokenising_them(tmp_path: Path
     # registry's cap_train), but only the kept glosses and the dev split are tokenised.
     nouns = [(1000 + 37 * i, 3 + i % 5, f"gloss {i} of noun {i * 7 % 13}") for i in range(300)]
     write_wordnet(tmp_path, {"noun": nouns})
-    import pt_ray.data.wordnet as wordnet
-
     tokenised: list[int] = []
     encode = wordnet.classification_dataset
     monkeypatch.setattr(wordnet, "classification_dataset", lambda tok, texts, *a: (

@@ -95,13 +95,13 @@ def test_the_ray_engine_driver_chooses_once_builds_the_data_once_and_the_model_f
     assert (result.run_dir / "model" / "config.json").is_file()
     # The dataset is built once, here: the workers read the preflight's from the object store.
     assert driver_counts["dataset builds"] == 1
-    data = json.loads((result.run_dir / "summary.json").read_text())["data"]
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    data = summary["data"]
     assert data["read_by_workers"] is True
     assert data["shipped_bytes"] > 64 * 3 * 8 * 8  # the 64 training images at least
     # The config lets the cache turn on (a block freezes, cache.mode=auto), so the controller
     # started its owner; no plan read it (one frozen block, below cache.min_frozen), so the
     # summary has no cache figures.
-    summary = json.loads((result.run_dir / "summary.json").read_text())
     assert max(r["num_frozen"] for r in summary["timeline"]) == 1
     assert summary["cache"] == {}
 

@@ -147,8 +147,9 @@ def load_wordnet(
     splits = {}
     for part, in_dev in (("train", False), ("dev", True)):
         rows = [g for g in glosses if ((g.pos, g.offset) in dev) == in_dev]
-        keep = capped_rows(len(rows), num_samples, seed) if part == "train" and (
-            num_samples is not None) else None
+        keep = None
+        if part == "train" and num_samples is not None:
+            keep = capped_rows(len(rows), num_samples, seed)
         if keep is not None:
             logger.info("wordnet: keeping %d of %d training glosses (data.num_samples)",
                         len(keep), len(rows))
